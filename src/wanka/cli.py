@@ -1,0 +1,132 @@
+"""The `wanka` command: parses arguments and calls into the packages. Errors in user input
+come out as one line naming what is wrong and how to fix it (exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from wanka.distributed.launch import RDZV_FLAGS
+
+
+def _train(args: argparse.Namespace) -> int:
+    from wanka.config import load_config
+    from wanka.distributed.launch import inside_torchrun, launch, single_process_env
+    from wanka.distributed.parallel_dims import ParallelDims
+
+    cfg = load_config(args.config, args.set)
+    rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
+    if not inside_torchrun():
+        if args.nproc > 1 or args.nnodes is not None:
+            nnodes = int(str(args.nnodes or 1).split(":")[-1])
+            ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+            worker = ["train", *([args.config] if args.config else []), *sum((["--set", s] for s in args.set), [])]
+            rc = launch(args.nproc, rdzv, worker)
+            if rc != 0:
+                print(f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log", file=sys.stderr)
+            return rc
+        single_process_env()
+    from wanka.train.trainer import run
+
+    run(cfg)
+    return 0
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from wanka.data.prepare import main_prepare
+
+    return main_prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from wanka.report import report_main
+
+    return report_main(args.run_dir)
+
+
+def _model(args: argparse.Namespace) -> int:
+    from wanka.config import load_config
+    from wanka.models.stats import count_params, memory_estimate
+
+    overrides = list(args.set)
+    if args.flavor:
+        overrides.insert(0, f'model.flavor="{args.flavor}"')
+    cfg = load_config(args.config, overrides)
+    c = count_params(cfg.model)
+    print(f"flavor {cfg.model.flavor}: total {c.total / 1e9:.3f}B params, active {c.active / 1e9:.3f}B "
+          f"per token, routed experts {c.experts / 1e9:.3f}B")  # fmt: skip
+    mem = memory_estimate(cfg.model, args.dp, args.ep, args.seq_len, args.micro_batch)
+    print(f"per-device memory estimate (dp_shard={args.dp}, ep={args.ep}, seq_len={args.seq_len}, "
+          f"micro_batch={args.micro_batch}, full activation checkpointing, bf16):")  # fmt: skip
+    for k, v in mem.items():
+        print(f"  {k:22s} {v:8.2f} GiB")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from wanka.bench.train import bench_train_main
+
+    return bench_train_main(quick=args.quick, out=Path(args.out), steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wanka", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train a model (N local ranks through torchrun)")
+    t.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    t.add_argument("--nproc", type=int, default=1, help="ranks on this node")
+    for flag in RDZV_FLAGS:
+        t.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun")
+    t.set_defaults(fn=_train)
+
+    d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
+    dp = d.add_parser("prepare", help="text/jsonl files (or 'builtin') -> memory-mapped token shards")
+    dp.add_argument("inputs", nargs="+")
+    dp.add_argument("--out", required=True)
+    dp.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
+    dp.add_argument("--val-fraction", type=float, default=0.01)
+    dp.add_argument("--seed", type=int, default=0)
+    dp.set_defaults(fn=_data_prepare)
+
+    r = sub.add_parser("report", help="draw a run's loss curves to PNG and summarise it")
+    r.add_argument("run_dir")
+    r.set_defaults(fn=_report)
+
+    m = sub.add_parser("model", help="parameter counts and per-device memory estimate")
+    m.add_argument("flavor", nargs="?", help="tiny | small | x25-293b")
+    m.add_argument("--config", default=None)
+    m.add_argument("--set", action="append", default=[])
+    m.add_argument("--dp", type=int, default=1)
+    m.add_argument("--ep", type=int, default=1)
+    m.add_argument("--seq-len", type=int, default=4096)
+    m.add_argument("--micro-batch", type=int, default=1)
+    m.set_defaults(fn=_model)
+
+    b = sub.add_parser("bench", help="benchmarks writing JSON").add_subparsers(dest="bench_cmd", required=True)
+    bt = b.add_parser("train", help="tokens/s, step time, memory, MFU: tiny/small x 1/2 ranks")
+    bt.add_argument("--quick", action="store_true")
+    bt.add_argument("--steps", type=int, default=None)
+    bt.add_argument("--out", default="runs/bench/train.json")
+    bt.set_defaults(fn=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from wanka.config import ConfigError
+    from wanka.distributed.parallel_dims import ParallelError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, ParallelError, ValueError, FileNotFoundError) as e:
+        print(f"wanka {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""TOML job files -> typed JobConfig, with field-path errors and `--set a.b=v` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from wanka.config.schema import JobConfig, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the field path and a fix."""
+
+    def __init__(self, path: str, problem: str, hint: str = "") -> None:
+        self.path = path
+        msg = f"config error at {path}: {problem}" if path else f"config error: {problem}"
+        super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a TOML job file (or the defaults when None), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("", f"{p} is not valid TOML: {e}") from None
+    for item in overrides or []:
+        _apply_override(raw, item)
+    cfg = _build(JobConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(item, "override must look like section.key=value", "e.g. --set train.steps=50")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set run.dir=runs/x
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(key, f"{p} is not a table")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(names)}"
+            raise ConfigError(_join(path, key), "unknown key", hint)
+    base = cls()
+    if cls is ModelConfig:
+        from wanka.models.flavors import FLAVORS
+
+        flavor = raw.get("flavor", "tiny")
+        if flavor not in FLAVORS:
+            raise ConfigError(_join(path, "flavor"), f"unknown flavor {flavor!r}", f"one of {', '.join(FLAVORS)}")
+        base = dataclasses.replace(FLAVORS[flavor])
+    values = {}
+    for name in names:
+        fpath = _join(path, name)
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, raw.get(name, {}), fpath)
+        elif name in raw:
+            values[name] = _check_type(raw[name], tp, fpath)
+        else:
+            values[name] = getattr(base, name)
+    return cls(**values)
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    if get_origin(tp) is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(path, f"{value!r} is not allowed", f"one of {', '.join(map(repr, get_args(tp)))}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def validate(cfg: JobConfig) -> None:
+    """Consistency checks that single fields cannot express."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    positive = {
+        "model.dim": m.dim, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+        "model.head_dim": m.head_dim, "model.vocab_size": m.vocab_size,
+        "model.index_topk": m.index_topk, "model.index_share_every": m.index_share_every,
+        "model.n_experts": m.n_experts, "model.n_active_experts": m.n_active_experts,
+        "data.seq_len": d.seq_len, "train.steps": t.steps,
+        "train.micro_batch_size": t.micro_batch_size, "train.grad_accum": t.grad_accum,
+        "parallel.ep": cfg.parallel.ep,
+    }  # fmt: skip
+    for path, v in positive.items():
+        if v <= 0:
+            raise ConfigError(path, f"must be positive, got {v}")
+    if m.dim % m.n_heads != 0:
+        raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide model.dim={m.dim}",
+                          "choose n_heads dividing dim")  # fmt: skip
+    if m.head_dim % 2:
+        raise ConfigError("model.head_dim", "must be even for RoPE")
+    if m.index_head_dim % 2 or m.index_head_dim <= 0:
+        raise ConfigError("model.index_head_dim", "must be a positive even number (RoPE)")
+    if m.n_active_experts > m.n_experts:
+        raise ConfigError("model.n_active_experts", f"{m.n_active_experts} > n_experts={m.n_experts}")
+    if m.n_dense_layers > m.n_layers:
+        raise ConfigError("model.n_dense_layers", f"{m.n_dense_layers} > n_layers={m.n_layers}")
+    if m.n_experts % cfg.parallel.ep != 0:
+        raise ConfigError("parallel.ep", f"ep={cfg.parallel.ep} does not divide model.n_experts={m.n_experts}",
+                          "pick ep among the divisors of n_experts")  # fmt: skip
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError("data.seq_len", f"{d.seq_len} > model.max_seq_len={m.max_seq_len}")
+    if m.mtp_depth < 0 or m.mtp_depth >= d.seq_len:
+        raise ConfigError("model.mtp_depth", f"must be in [0, seq_len), got {m.mtp_depth}")
+    if t.warmup_steps < 0 or t.dense_warmup_steps < 0:
+        raise ConfigError("train.warmup_steps", "warm-up step counts must be >= 0")
+    if t.dense_warmup_steps >= t.steps and t.phase == "sparse" and t.dense_warmup_steps:
+        raise ConfigError("train.dense_warmup_steps", f"{t.dense_warmup_steps} >= train.steps={t.steps}",
+                          "leave some sparse steps or set train.phase='dense_warmup'")  # fmt: skip
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("train.min_lr_ratio", "must be in [0, 1]")
+    if cfg.checkpoint.every <= 0:
+        raise ConfigError("checkpoint.every", "must be positive")
+    if t.eval_every <= 0:
+        raise ConfigError("train.eval_every", "must be positive")
+
+
+def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML (saved into every run directory)."""
+    lines: list[str] = []
+    for section, values in config_to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)

@@ -1,0 +1,106 @@
+"""Typed configs, one small dataclass per component.
+
+The job file (TOML) has one table per dataclass in JobConfig. Model fields default to the
+`tiny` flavor; `model.flavor` picks another preset and explicit keys override it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = "tiny"
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int = 32
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    init_std: float = 0.02
+    # DSA sparse attention: lightning indexer + top-k selection, MQA core attention.
+    n_index_heads: int = 2
+    index_head_dim: int = 16
+    index_topk: int = 64
+    index_share_every: int = 1
+    # MoE FFN
+    n_dense_layers: int = 1
+    dense_hidden: int = 384
+    n_experts: int = 8
+    n_active_experts: int = 2
+    expert_hidden: int = 128
+    n_shared_experts: int = 1
+    route_scale: float = 1.0
+    bias_update_rate: float = 1e-3
+    balance_loss_weight: float = 0.0
+    # Multi-token prediction
+    mtp_depth: int = 1
+    mtp_loss_weight: float = 0.3
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin"
+    tokenizer: str = "byte"
+    cache_dir: str = ".cache/wanka"
+    seq_len: int = 256
+    val_batches: int = 8
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    phase: Literal["sparse", "dense_warmup"] = "sparse"
+    dense_warmup_steps: int = 0
+    indexer_lr: float = 3e-3
+    eval_every: int = 100
+    log_every: int = 1
+    mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    dp_shard: int = -1  # -1: whatever the world size leaves
+    ep: int = 1
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    every: int = 100
+    async_save: bool = False
+    keep: int = 2
+    load: str = "latest"  # "latest", "none", or a checkpoint directory
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/demo"
+    device: str = "auto"
+    ops_backend: str = ""  # "op=backend,..." forces op backends
+    tensorboard: bool = True
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)

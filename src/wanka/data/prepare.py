@@ -1,0 +1,285 @@
+"""Tokenize documents once into memory-mapped token shards that keep document boundaries.
+
+A prepared dataset directory holds:
+  meta.json    format version, tokenizer, vocab_size, dtype, per-split num_tokens/num_docs
+  <split>.bin  flat token ids (uint8 / uint16 / uint32, the smallest that fits the vocab)
+  <split>.idx  int64 document start offsets into <split>.bin, length num_docs + 1
+for split in ("train", "val").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from wanka.data.corpus import Document, builtin_documents, split_documents
+from wanka.data.tokenizer import Tokenizer, load_tokenizer
+
+FORMAT = "wanka-tokens"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+_ENCODE_CHUNK = 256  # documents per encode_batch call: parallel, yet bounded memory
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    if vocab_size <= 2**8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32)
+
+
+def _fix_hint(path: Path) -> str:
+    return f"run `wanka data prepare <inputs> --out {path}`"
+
+
+def read_meta(path: str | Path) -> dict:
+    """meta.json of a complete dataset dir; ValueError (one line) if missing or inconsistent."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise ValueError(f"no prepared dataset at {path} (missing meta.json); {_fix_hint(path)}")
+    try:
+        meta = json.loads(meta_file.read_text())
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"unsupported format {meta.get('format')} v{meta.get('version')}")
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        for split in SPLITS:
+            info = meta["splits"][split]
+            for suffix, expected in (
+                ("bin", info["num_tokens"] * itemsize),
+                ("idx", (info["num_docs"] + 1) * 8),
+            ):
+                f = path / f"{split}.{suffix}"
+                if not f.is_file() or f.stat().st_size != expected:
+                    raise ValueError(f"{f.name} is missing or has the wrong size")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"corrupt dataset at {path}: {e}; delete it and {_fix_hint(path)}") from e
+    return meta
+
+
+def is_prepared(path: str | Path) -> bool:
+    try:
+        read_meta(path)
+    except ValueError:
+        return False
+    return True
+
+
+def _encode_all(docs: Sequence[Document], tokenizer: Tokenizer) -> Iterable[np.ndarray]:
+    batch_encode = getattr(tokenizer, "encode_batch", None)
+    if batch_encode is None:
+        for d in docs:
+            yield np.asarray(tokenizer.encode(d.text))
+        return
+    for i in range(0, len(docs), _ENCODE_CHUNK):
+        yield from batch_encode([d.text for d in docs[i : i + _ENCODE_CHUNK]])
+
+
+def _write_split(
+    docs: Sequence[Document], tokenizer: Tokenizer, dtype: np.dtype, tmp: Path, split: str
+) -> dict:
+    offsets = [0]
+    with open(tmp / f"{split}.bin", "wb") as f:
+        for ids in _encode_all(docs, tokenizer):
+            if len(ids) == 0:
+                continue  # empty documents carry no tokens; drop them
+            if int(ids.max()) >= tokenizer.vocab_size or int(ids.min()) < 0:
+                raise ValueError(f"tokenizer {tokenizer.name} produced an id outside its vocab")
+            f.write(np.asarray(ids, dtype=dtype).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+        f.flush()
+        os.fsync(f.fileno())
+    np.asarray(offsets, dtype=np.int64).tofile(tmp / f"{split}.idx")
+    return {"num_tokens": offsets[-1], "num_docs": len(offsets) - 1}
+
+
+def prepare_documents(
+    docs: Sequence[Document],
+    out_dir: str | Path,
+    tokenizer: Tokenizer,
+    val_fraction: float = 0.01,
+    seed: int = 0,
+) -> Path:
+    """Tokenize ``docs`` into ``out_dir`` atomically; a complete existing ``out_dir`` is kept.
+
+    Everything is written into a temp dir beside ``out_dir`` and renamed into place, so
+    concurrent preparers (e.g. every rank of a job) never observe a half-written dataset.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        if is_prepared(out_dir):
+            _check_tokenizer(out_dir, tokenizer)
+            return out_dir
+        if not out_dir.is_dir() or any(out_dir.iterdir()):
+            raise ValueError(
+                f"{out_dir} exists but is not a complete prepared dataset; "
+                "delete it or choose another output dir"
+            )
+    if not docs:
+        raise ValueError("no documents to prepare")
+    train, val = split_documents(list(docs), val_fraction, seed)
+    dtype = token_dtype(tokenizer.vocab_size)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        splits = {
+            "train": _write_split(train, tokenizer, dtype, tmp, "train"),
+            "val": _write_split(val, tokenizer, dtype, tmp, "val"),
+        }
+        if splits["train"]["num_tokens"] == 0:
+            raise ValueError("the train split is empty (all documents empty or in val)")
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "tokenizer": {"name": tokenizer.name, "spec": getattr(tokenizer, "spec", None)},
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": dtype.name,
+            "val_fraction": val_fraction,
+            "seed": seed,
+            "splits": splits,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir
+        except OSError:
+            if not is_prepared(out_dir):  # lost a race to an identical preparer: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+    return out_dir
+
+
+def _check_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
+    prepared = read_meta(path)["tokenizer"]["name"]
+    if prepared != tokenizer.name:
+        raise ValueError(
+            f"{path} was prepared with tokenizer {prepared}, not {tokenizer.name}; "
+            "delete it or choose another output dir"
+        )
+
+
+def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
+    """``.txt``: one document per file; ``.jsonl``: one document per line (field "text").
+
+    A directory stands for the ``.txt`` and ``.jsonl`` files below it, in sorted order.
+    """
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl"))
+        elif not p.is_file():
+            raise ValueError(f"input not found: {p}")
+        elif p.suffix not in (".txt", ".jsonl"):
+            raise ValueError(f"unsupported input {p}: expected .txt or .jsonl")
+        else:
+            files.append(p)
+    docs = []
+    for f in files:
+        if f.suffix == ".txt":
+            docs.append(Document(str(f), f.read_text(encoding="utf-8")))
+            continue
+        with open(f, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                    if not isinstance(text, str):
+                        raise TypeError("'text' is not a string")
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(
+                        f'{f}:{lineno}: expected a JSON object with a string "text" field ({e})'
+                    ) from None
+                docs.append(Document(f"{f}:{lineno}", text))
+    return docs
+
+
+def builtin_dataset_dir(cache_dir: str | Path, tokenizer: Tokenizer) -> Path:
+    # The stdlib differs between Python versions, so the version is part of the key.
+    v = sys.version_info
+    return Path(cache_dir) / f"builtin-{tokenizer.name}-py{v.major}.{v.minor}.{v.micro}"
+
+
+def ensure_builtin_dataset(cache_dir: str | Path, tokenizer_spec: str | None = None) -> Path:
+    """Prepare the built-in corpus once under ``cache_dir``; later calls just return the path."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    path = builtin_dataset_dir(cache_dir, tokenizer)
+    if is_prepared(path):
+        return path
+    return prepare_documents(builtin_documents(), path, tokenizer, val_fraction=0.01, seed=0)
+
+
+def main_prepare(
+    inputs: list[str], out: str, tokenizer: str | None, val_fraction: float, seed: int
+) -> int:
+    """``wanka data prepare``: inputs are .txt/.jsonl files, folders, or ``builtin``."""
+    try:
+        tok = load_tokenizer(tokenizer)
+        out_dir = Path(out)
+        existed = is_prepared(out_dir)
+        t0 = time.perf_counter()
+        if not existed:
+            files = [i for i in inputs if i != "builtin"]
+            docs = builtin_documents() if "builtin" in inputs else []
+            docs += read_input_files(files)
+            prepare_documents(docs, out_dir, tok, val_fraction=val_fraction, seed=seed)
+        else:
+            _check_tokenizer(out_dir, tok)
+        s = read_meta(out_dir)["splits"]
+    except (ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    status = "already prepared, kept" if existed else f"prepared in {time.perf_counter() - t0:.1f}s"
+    print(
+        f"{out_dir}: {status}; tokenizer {tok.name}; "
+        f"train {s['train']['num_docs']} docs {s['train']['num_tokens']:,} tokens; "
+        f"val {s['val']['num_docs']} docs {s['val']['num_tokens']:,} tokens"
+    )
+    return 0
+
+
+class TokenDataset:
+    """One split of a prepared dataset, memory-mapped read-only."""
+
+    def __init__(self, path: str | Path, split: str) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        self.path = Path(path)
+        self.split = split
+        self.meta = read_meta(self.path)
+        info = self.meta["splits"][split]
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.num_tokens: int = info["num_tokens"]
+        self.num_docs: int = info["num_docs"]
+        dtype = np.dtype(self.meta["dtype"])
+        # np.memmap refuses empty files (an empty val split is legal).
+        self.tokens = (
+            np.memmap(self.path / f"{split}.bin", dtype=dtype, mode="r")
+            if self.num_tokens
+            else np.zeros(0, dtype)
+        )
+        self.offsets = np.fromfile(self.path / f"{split}.idx", dtype=np.int64)
+        if self.offsets[0] != 0 or self.offsets[-1] != self.num_tokens:
+            raise ValueError(f"corrupt dataset at {path}: bad {split}.idx; {_fix_hint(self.path)}")
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def doc_bounds(self, i: int) -> tuple[int, int]:
+        """[start, end) token offsets of document ``i`` in this split."""
+        return int(self.offsets[i]), int(self.offsets[i + 1])
+
+    def doc_tokens(self, i: int) -> np.ndarray:
+        start, end = self.doc_bounds(i)
+        return self.tokens[start:end]

@@ -1,0 +1,79 @@
+"""Tokenizers: a dependency-free byte tokenizer and a wrapper for Hugging Face tokenizer files."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    name: str  # short, filesystem-safe identifier (used in cache dir names)
+    vocab_size: int
+
+    def encode(self, text: str) -> np.ndarray | list[int]: ...
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab 256, lossless, needs nothing installed."""
+
+    name = "byte"
+    spec = "byte"
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        # A window can cut a multi-byte character in half; never fail on that.
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` JSON file (e.g. ``tokenizer.json`` from a model repo)."""
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            from tokenizers import Tokenizer as _HFTokenizer
+        except ImportError as e:
+            raise ImportError(
+                f"tokenizer {path} needs the 'tokenizers' package: pip install tokenizers"
+            ) from e
+        self.path = Path(path)
+        self.spec = str(self.path.resolve())
+        self._tok = _HFTokenizer.from_file(str(self.path))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Content hash, so a changed file never reuses a stale prepared dataset.
+        self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # The Rust side parallelises batches across cores.
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
+    """``None`` or ``"byte"``: byte tokenizer; otherwise a tokenizer.json path (or its folder)."""
+    if spec is None or spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"tokenizer file not found: {path} "
+            "(pass 'byte' or the path to a Hugging Face tokenizer.json)"
+        )
+    return HFTokenizer(path)

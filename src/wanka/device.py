@@ -1,0 +1,63 @@
+"""The one place that knows about device kinds (cpu / cuda / npu) and their backends."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+
+    return torch.npu.is_available()
+
+
+def resolve_device_type(requested: str = "auto") -> str:
+    """'auto' picks an accelerator when one is present, else the CPU."""
+    if requested != "auto":
+        if requested == "cuda" and not torch.cuda.is_available():
+            raise ValueError("run.device='cuda' but no CUDA device is visible: set run.device='cpu'")
+        if requested == "npu" and not npu_available():
+            raise ValueError("run.device='npu' but torch_npu/NPU is unavailable: set run.device='cpu'")
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if npu_available():
+        return "npu"
+    return "cpu"
+
+
+def dist_backend(device_type: str) -> str:
+    return {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
+
+
+def local_device(device_type: str) -> torch.device:
+    """The device this rank computes on (accelerators: one per local rank)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    getattr(torch, device_type).set_device(local_rank)
+    return torch.device(device_type, local_rank)
+
+
+def autocast_dtype(device_type: str, mode: str) -> torch.dtype | None:
+    """bf16 autocast on accelerators by default, fp32 (no autocast) on CPU."""
+    if mode == "fp32" or (mode == "auto" and device_type == "cpu"):
+        return None
+    return torch.bfloat16
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak allocated bytes on an accelerator; None on CPU (use process RSS there)."""
+    if device.type == "cpu":
+        return None
+    return getattr(torch, device.type).max_memory_allocated(device)

@@ -1,0 +1,122 @@
+"""Attention with DSA fine-grained sparse attention (MQA form) and the lightning indexer.
+
+Each query attends only to the top-k keys the indexer picks; one KV head is shared by all
+query heads. Layers without an indexer reuse the indices of the last layer that has one
+(cross-layer index sharing). Sequences no longer than k use dense attention.
+
+Training phases:
+  dense_warmup: attention is dense; the indexer learns KL(dense attention || indexer) over all
+                visible keys; nothing else learns.
+  sparse:       attention is sparse; the indexer learns KL over the selected set from a
+                detached input; the model learns from the LM loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wanka import ops
+from wanka.config.schema import ModelConfig
+from wanka.models.layers import apply_rope, rope_table
+
+
+@dataclass
+class AttnAux:
+    """What one attention layer hands to the next and to the loss."""
+
+    indices: torch.Tensor | None  # top-k indices to share with following layers
+    kl_sum: torch.Tensor | None  # indexer KL summed over query tokens (None: no indexer)
+    kl_count: int = 0
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: a few small ReLU heads and one shared key head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_index_heads, cfg.index_head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_index_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.index_head_dim, bias=False)
+        self.wk_norm = nn.LayerNorm(cfg.index_head_dim)
+        self.ww = nn.Linear(cfg.dim, cfg.n_index_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor):
+        B, L, _ = x.shape
+        q = apply_rope(self.wq(x).view(B, L, self.n_heads, self.head_dim), rope, positions)
+        k = apply_rope(self.wk_norm(self.wk(x)), rope, positions)
+        w = self.ww(x) * self.n_heads**-0.5
+        return q, k, w
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, has_indexer: bool, dense_only: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.n_heads, cfg.head_dim, cfg.index_topk
+        self.dense_only = dense_only
+        self.scale = cfg.head_dim**-0.5
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 2 * cfg.head_dim, bias=False)  # the single MQA KV head
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.indexer = Indexer(cfg) if has_indexer and not dense_only else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        doc_ids: torch.Tensor,
+        ropes: dict[str, torch.Tensor],
+        shared_indices: torch.Tensor | None,
+        phase: str,
+    ) -> tuple[torch.Tensor, AttnAux]:
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, self.head_dim)
+        k, v = self.wkv(x).split(self.head_dim, dim=-1)
+        q = apply_rope(q, ropes["attn"], positions)
+        k = apply_rope(k, ropes["attn"], positions)
+
+        sparse = not self.dense_only and L > self.topk
+        indices, kl_sum = shared_indices, None
+        if self.indexer is not None:
+            # The indexer never sends gradient into the model: its input is detached.
+            qi, ki, wi = self.indexer(x.detach(), ropes["index"], positions)
+            if sparse and phase == "sparse":
+                indices, sel_scores = ops.call("lightning_indexer", qi, ki, wi, doc_ids, self.topk)
+                target = ops.call("attention_probs", q.detach(), k.detach(), doc_ids, self.scale,
+                                  indices=indices)  # fmt: skip
+                kl_sum = _kl(target, sel_scores)
+            else:
+                # Dense warm-up (or a sequence no longer than k): learn the full distribution.
+                scores = ops.call("indexer_scores", qi, ki, wi, doc_ids)
+                target = ops.call("attention_probs", q.detach(), k.detach(), doc_ids, self.scale)
+                kl_sum = _kl(target, scores)
+                if sparse:
+                    with torch.no_grad():
+                        indices, _ = ops.call("lightning_indexer", qi, ki, wi, doc_ids, self.topk)
+
+        if sparse and phase == "sparse":
+            if indices is None:
+                raise RuntimeError("sparse attention layer has neither an indexer nor shared indices")
+            out = ops.call("sparse_attention", q, k, v, indices, self.scale)
+        else:
+            out = ops.call("dense_attention", q, k, v, doc_ids, self.scale)
+        out = self.wo(out.reshape(B, L, -1))
+        return out, AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+
+
+def _kl(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """sum over queries of KL(target || softmax(scores)); -inf scores are empty/invisible keys."""
+    hidden = torch.isinf(scores)
+    logq = F.log_softmax(scores.float(), dim=-1).masked_fill(hidden, 0.0)
+    p = target.masked_fill(hidden, 0.0)
+    return (torch.xlogy(p, p) - p * logq).sum()
+
+
+def make_ropes(cfg: ModelConfig, device=None) -> dict[str, torch.Tensor]:
+    return {
+        "attn": rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device),
+        "index": rope_table(cfg.index_head_dim, cfg.max_seq_len, cfg.rope_theta, device),
+    }

@@ -1,0 +1,23 @@
+"""Model presets. `tiny` is the demo, `small` (~100M) is for benchmarks, `x25-293b` is the
+production shape (293B total / ~30B active), which is built only on the meta device here."""
+
+from __future__ import annotations
+
+from wanka.config.schema import ModelConfig
+
+FLAVORS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(flavor="tiny"),
+    "small": ModelConfig(
+        flavor="small", vocab_size=256, dim=512, n_layers=8, n_heads=8, head_dim=64,
+        n_index_heads=4, index_head_dim=32, index_topk=256, index_share_every=2,
+        n_dense_layers=1, dense_hidden=1536, n_experts=16, n_active_experts=2,
+        expert_hidden=512, n_shared_experts=1, mtp_depth=1, max_seq_len=32768,
+    ),
+    "x25-293b": ModelConfig(
+        flavor="x25-293b", vocab_size=157184, dim=6144, n_layers=48, n_heads=64,
+        head_dim=128, tie_embeddings=False, n_index_heads=64, index_head_dim=128,
+        index_topk=2048, index_share_every=4, n_dense_layers=3, dense_hidden=16384,
+        n_experts=160, n_active_experts=10, expert_hidden=2112, n_shared_experts=2,
+        mtp_depth=1, max_seq_len=131072,
+    ),
+}  # fmt: skip

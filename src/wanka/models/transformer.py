@@ -1,0 +1,154 @@
+"""Decoder-only MoE transformer with DSA sparse attention and multi-token prediction.
+
+Single-device code: parallelism is applied from outside (distributed/parallelize.py).
+Build on the meta device, `to_empty`, then `init_weights(seed)`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wanka.config.schema import ModelConfig
+from wanka.models.attention import Attention, make_ropes
+from wanka.models.layers import FeedForward, RMSNorm
+from wanka.models.moe import MoE
+
+
+@dataclass
+class LossParts:
+    """Sums and counts, so the trainer can normalise by global token counts across ranks."""
+
+    lm_sum: torch.Tensor
+    lm_count: torch.Tensor
+    mtp_sum: torch.Tensor
+    mtp_count: torch.Tensor
+    kl_sum: torch.Tensor
+    kl_count: int
+    balance: torch.Tensor  # mean over MoE layers
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dense_only: bool = False) -> None:
+        super().__init__()
+        has_indexer = layer_id % cfg.index_share_every == 0
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, has_indexer, dense_only)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        is_moe = layer_id >= cfg.n_dense_layers and not dense_only
+        self.moe = MoE(cfg) if is_moe else None
+        self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
+
+    def forward(self, x, positions, doc_ids, ropes, shared_indices, phase):
+        h, aux = self.attention(self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase)
+        x = x + h
+        if self.moe is not None:
+            f, balance = self.moe(self.ffn_norm(x))
+        else:
+            f, balance = self.ffn(self.ffn_norm(x)), None
+        return x + f, aux, balance
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3 style): combine the previous depth's
+    hidden state with the embedding of the next token, run one block, share the head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, layer_id=0, dense_only=True)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
+        for name, t in make_ropes(cfg, device="meta").items():
+            self.register_buffer(f"rope_{name}", t, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, independent of how the model will be sharded."""
+        gen = torch.Generator().manual_seed(seed)
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name and leaf in ("weight", "bias"):
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            else:
+                s = out_std if name.endswith(("wo.weight", "w2.weight", ".w2")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+        for name, b in self.named_buffers():
+            if name.startswith("rope_"):
+                b.copy_(make_ropes(self.cfg, device=b.device)[name.removeprefix("rope_")])
+            else:
+                b.zero_()
+
+    def moe_layers(self) -> list[MoE]:
+        return [blk.moe for blk in self.layers.values() if blk.moe is not None]
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        doc_ids: torch.Tensor,
+        labels: torch.Tensor,
+        phase: str = "sparse",
+    ) -> LossParts:
+        ropes = {"attn": self.rope_attn, "index": self.rope_index}
+        h = self.tok_embeddings(tokens)
+        indices, kl_sum, kl_count, balances = None, h.new_zeros(()), 0, []
+        for blk in self.layers.values():
+            h, aux, balance = blk(h, positions, doc_ids, ropes, indices, phase)
+            indices = aux.indices if aux.indices is not None else indices
+            if aux.kl_sum is not None:
+                kl_sum, kl_count = kl_sum + aux.kl_sum, kl_count + aux.kl_count
+            if balance is not None:
+                balances.append(balance)
+        lm_sum, lm_count = _ce(self._logits(self.norm(h)), labels)
+
+        mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
+        for d, mtp in enumerate(self.mtp, start=1):
+            # depth d at position t predicts token t+d+1: shift tokens/labels left by d.
+            nxt = self.tok_embeddings(_shift(tokens, d, 0))
+            h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
+            h, _, _ = mtp.block(h, positions, doc_ids, ropes, None, phase)
+            s, c = _ce(self._logits(mtp.norm(h)), _mtp_labels(labels, doc_ids, d))
+            mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
+
+        balance = torch.stack(balances).mean() if balances else h.new_zeros(())
+        return LossParts(lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance)
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = labels.reshape(-1)
+    s = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    return s, (flat != -100).sum()
+
+
+def _shift(x: torch.Tensor, d: int, fill: int) -> torch.Tensor:
+    return F.pad(x[:, d:], (0, d), value=fill)
+
+
+def _mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor, d: int) -> torch.Tensor:
+    """Target of depth d at t is labels[t+d], valid only inside the same document."""
+    lab = _shift(labels, d, -100)
+    same_doc = _shift(doc_ids, d, -1) == doc_ids
+    return torch.where(same_doc, lab, torch.full_like(lab, -100))

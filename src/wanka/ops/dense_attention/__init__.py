@@ -1,0 +1,1 @@
+from wanka.ops.dense_attention import reference  # noqa: F401

@@ -1,0 +1,1 @@
+from wanka.ops.lightning_indexer import reference  # noqa: F401

@@ -1,0 +1,37 @@
+"""Lightning indexer: score(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)), causal top-k."""
+
+from __future__ import annotations
+
+import torch
+
+from wanka.ops.dense_attention.reference import allowed_mask
+from wanka.ops.registry import register
+
+
+@register("indexer_scores", "reference")
+def indexer_scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor
+) -> torch.Tensor:
+    """q [B, L, Hi, Di], k [B, L, Di] (one shared key head), w [B, L, Hi] -> [B, L, L] scores,
+    -inf where the key is not visible (future or another document). Differentiable."""
+    s = torch.einsum("blhd,bsd->blhs", q, k).relu()
+    s = torch.einsum("blhs,blh->bls", s, w)
+    return s.masked_fill(~allowed_mask(doc_ids), float("-inf"))
+
+
+@register("lightning_indexer", "reference")
+def lightning_indexer(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k visible keys per query -> (indices [B, L, K] int64 with -1 in empty slots,
+    their scores [B, L, K] with -inf in empty slots, differentiable w.r.t. q, k, w)."""
+    scores = indexer_scores(q, k, w, doc_ids)
+    kk = min(topk, scores.shape[-1])
+    top, idx = scores.topk(kk, dim=-1)
+    valid = torch.isfinite(top)
+    idx = torch.where(valid, idx, torch.full_like(idx, -1))
+    if kk < topk:  # pad to the configured k so shapes do not depend on L
+        pad = topk - kk
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+        top = torch.nn.functional.pad(top, (0, pad), value=float("-inf"))
+    return idx, top

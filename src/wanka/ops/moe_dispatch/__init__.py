@@ -1,0 +1,1 @@
+from wanka.ops.moe_dispatch import reference  # noqa: F401

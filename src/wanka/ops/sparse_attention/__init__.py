@@ -1,0 +1,1 @@
+from wanka.ops.sparse_attention import reference  # noqa: F401

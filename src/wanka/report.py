@@ -1,0 +1,165 @@
+"""`wanka report RUN_DIR`: loss-curve PNG and a short text summary from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from wanka.train.metrics import METRICS_FILE
+
+Row = dict[str, float]
+# Train-loss parts drawn next to "loss" besides any key ending in "_loss".
+_EXTRA_LOSS_KEYS = ("indexer_kl", "moe_balance")
+
+
+def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """Return (train rows, eval rows) from run_dir/metrics.jsonl, each sorted by step."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"no {METRICS_FILE} in {run_dir}: is this a wanka run directory?")
+    train: list[dict] = []
+    evals: list[dict] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # tolerate a half-written last line from a crashed run
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        if row.get("kind") == "train":
+            train.append(row)
+        elif row.get("kind") == "eval":
+            evals.append(row)
+    train.sort(key=lambda r: r["step"])
+    evals.sort(key=lambda r: r["step"])
+    return train, evals
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    xs: list[int] = []
+    ys: list[float] = []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def _loss_keys(rows: list[dict]) -> list[str]:
+    keys: dict[str, None] = {}  # ordered set, first-seen order
+    for r in rows:
+        for k in r:
+            if k != "loss" and (k.endswith("_loss") or k in _EXTRA_LOSS_KEYS):
+                keys[k] = None
+    return list(keys)
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def plot_loss_curves(run_dir: Path, out: Path | None = None) -> Path:
+    """Draw loss / lr+grad-norm / tokens-per-s panels to a PNG and return its path."""
+    # Figure + Agg canvas instead of pyplot: no display needed and no global backend switch.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    train, evals = load_metrics(run_dir)
+    out = Path(out) if out is not None else run_dir / "loss_curve.png"
+
+    fig = Figure(figsize=(10, 10), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax_loss, ax_lr, ax_tps = fig.subplots(3, 1, sharex=True)
+    fig.suptitle(f"wanka run: {run_dir.resolve().name}")
+
+    # Panel 1: total loss, its parts, and eval points.
+    drawn = []
+    for key in ["loss", *_loss_keys(train)]:
+        xs, ys = _series(train, key)
+        if xs:
+            lw = 1.6 if key == "loss" else 0.9
+            ax_loss.plot(xs, ys, label=key, linewidth=lw)
+            drawn += ys
+    xs, ys = _series(evals, "val_loss")
+    if xs:
+        ax_loss.plot(xs, ys, "o--", label="val_loss", color="black", markersize=4)
+        drawn += ys
+    if drawn:
+        # Parts like moe_balance sit orders of magnitude below the LM loss: log scale shows both.
+        if min(drawn) > 0:
+            ax_loss.set_yscale("log")
+        ax_loss.legend(loc="best", fontsize="small")
+    else:
+        _empty(ax_loss, "no loss data")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(True, alpha=0.3)
+
+    # Panel 2: learning rate (left) and grad norm (right, twin axis: different units).
+    xs, ys = _series(train, "lr")
+    if xs:
+        ax_lr.plot(xs, ys, color="tab:blue", label="lr")
+        ax_lr.set_ylabel("lr", color="tab:blue")
+    gx, gy = _series(train, "grad_norm")
+    if gx:
+        ax_gn = ax_lr.twinx()
+        ax_gn.plot(gx, gy, color="tab:red", linewidth=0.8, alpha=0.8, label="grad_norm")
+        ax_gn.set_ylabel("grad norm", color="tab:red")
+    if not xs and not gx:
+        _empty(ax_lr, "no lr / grad_norm data")
+    ax_lr.grid(True, alpha=0.3)
+
+    # Panel 3: throughput.
+    xs, ys = _series(train, "tokens_per_s")
+    if xs:
+        ax_tps.plot(xs, ys, color="tab:green")
+    else:
+        _empty(ax_tps, "no tokens_per_s data")
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    ax_tps.grid(True, alpha=0.3)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def summarize(train: list[dict], evals: list[dict]) -> list[str]:
+    """Short text summary lines for `wanka report`."""
+    lines: list[str] = []
+    if train:
+        lines.append(f"steps          : {train[-1]['step']}")
+    _, losses = _series(train, "loss")
+    if losses:
+        lines.append(f"last train loss: {losses[-1]:.4f}")
+    _, vals = _series(evals, "val_loss")
+    if vals:
+        lines.append(f"val loss       : best {min(vals):.4f}, last {vals[-1]:.4f}")
+    _, tps = _series(train, "tokens_per_s")
+    if tps:
+        lines.append(f"tokens/s       : {statistics.median(tps):,.0f} (median)")
+    times = [r["time"] for r in train + evals if isinstance(r.get("time"), int | float)]
+    if len(times) >= 2:
+        # First to last row: includes any downtime between a crash and its resume.
+        lines.append(f"total time     : {max(times) - min(times):.1f} s")
+    if not train and not evals:
+        lines.append("no train or eval rows yet")
+    return lines
+
+
+def report_main(run_dir: str) -> int:
+    """Entry point of `wanka report RUN_DIR`: 0 on success, 2 for a bad run directory."""
+    try:
+        train, evals = load_metrics(Path(run_dir))
+        png = plot_loss_curves(Path(run_dir))
+    except ValueError as e:
+        print(f"wanka report: {e}", file=sys.stderr)
+        return 2
+    for line in summarize(train, evals):
+        print(line)
+    print(f"loss curve     : {png}")
+    return 0

@@ -1,0 +1,260 @@
+"""Training metrics: JSONL log, optional TensorBoard, a live progress bar and the final summary.
+
+Only the main rank writes anything, so every other rank can call the same methods for free.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def _scalar(value: Any) -> float:
+    # Accepts python numbers and 0-d tensors / numpy scalars alike.
+    return float(value)
+
+
+def _fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _fmt_rate(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+class ProgressBar:
+    """One-line progress: step/total, loss, tokens/s, ETA.
+
+    On a TTY the line is redrawn in place; elsewhere (CI, pipes, log files) a full line is
+    printed at most every `min_interval` seconds, plus always for the last step, so logs
+    stay short however fast the steps are.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        stream: TextIO,
+        min_interval: float = 2.0,
+        window: int = 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = total_steps
+        self.stream = stream
+        self.min_interval = min_interval
+        self.clock = clock
+        self.step_times: deque[float] = deque(maxlen=window)
+        isatty = getattr(stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self._last_print = -math.inf
+        self._last_len = 0
+        self._open_line = False  # TTY: a line is drawn without a trailing newline
+        self._prev: tuple[int, float] | None = None  # (step, clock) fallback when no step_time
+
+    def eta(self, step: int) -> float:
+        if not self.step_times:
+            return math.nan
+        avg = sum(self.step_times) / len(self.step_times)
+        return avg * max(self.total - step, 0)
+
+    def line(self, step: int, metrics: Mapping[str, float]) -> str:
+        width = len(str(self.total))
+        parts = [f"step {step:>{width}}/{self.total}"]
+        if self.total > 0:
+            parts[0] += f" {100.0 * step / self.total:5.1f}%"
+        if "loss" in metrics:
+            parts.append(f"loss {metrics['loss']:.4f}")
+        if "tokens_per_s" in metrics:
+            parts.append(f"{_fmt_rate(metrics['tokens_per_s'])} tok/s")
+        parts.append(f"ETA {_fmt_duration(self.eta(step))}")
+        return " | ".join(parts)
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = self.clock()
+        if "step_time" in metrics:
+            self.step_times.append(metrics["step_time"])
+        elif self._prev is not None and step > self._prev[0]:
+            # No step_time given: estimate it from wall time between updates.
+            self.step_times.append((now - self._prev[1]) / (step - self._prev[0]))
+        self._prev = (step, now)
+
+        last = step >= self.total
+        if self.tty:
+            text = self.line(step, metrics)
+            pad = " " * max(self._last_len - len(text), 0)
+            self.stream.write("\r" + text + pad + ("\n" if last else ""))
+            self._last_len = len(text)
+            self._open_line = not last
+        elif last or now - self._last_print >= self.min_interval:
+            self.stream.write(self.line(step, metrics) + "\n")
+            self._last_print = now
+        else:
+            return
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """Print a standalone line without garbling a half-drawn TTY bar."""
+        if self._open_line:
+            self.stream.write("\n")
+            self._open_line = False
+            self._last_len = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._open_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open_line = False
+
+
+class MetricsWriter:
+    """Writes run_dir/metrics.jsonl (+ run_dir/tb) and draws the progress bar, main rank only."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        is_main: bool,
+        total_steps: int,
+        tensorboard: bool = True,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.path = self.run_dir / METRICS_FILE
+        self._file: TextIO | None = None
+        self._tb: Any = None
+        self._tb_enabled = tensorboard
+        self.progress: ProgressBar | None = None
+        if not is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Append: a resumed run keeps extending the same file (see truncate_after).
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = self._open_tb()
+        self.progress = ProgressBar(total_steps, stream if stream is not None else sys.stderr)
+
+    def _open_tb(self, purge_step: int | None = None) -> Any:
+        if not self._tb_enabled:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # tensorboard not installed: JSONL is the source of truth anyway
+            return None
+        return SummaryWriter(str(self.run_dir / TB_DIR), purge_step=purge_step)
+
+    def _write(self, kind: str, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
+        values = {k: _scalar(v) for k, v in metrics.items()}
+        assert self._file is not None
+        row = {"kind": kind, "step": int(step), "time": time.time(), **values}
+        self._file.write(json.dumps(row) + "\n")
+        # Flush per row so a crash loses at most the row being written.
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+        return values
+
+    def log_train(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.is_main:
+            return
+        values = self._write("train", step, metrics)
+        assert self.progress is not None
+        self.progress.update(int(step), values)
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.is_main:
+            return
+        values = self._write("eval", step, metrics)
+        assert self.progress is not None
+        text = ", ".join(f"{k} {v:.4f}" for k, v in values.items())
+        self.progress.message(f"eval step {int(step)}: {text}")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows logged after `step` (lost work from before a resume), atomically."""
+        if not self.is_main or not self.path.exists():
+            return
+        if self._file is not None:
+            self._file.close()
+        kept: list[str] = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a half-written last line from a crash
+            if not isinstance(row, dict):
+                continue
+            if row.get("kind") in ("train", "eval") and int(row.get("step", 0)) > step:
+                continue
+            kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)  # readers see either the old or the new file, never half
+        self._file = open(self.path, "a", encoding="utf-8")
+        if self._tb is not None:
+            # purge_step makes TensorBoard hide the stale events past the checkpoint too.
+            self._tb.close()
+            self._tb = self._open_tb(purge_step=step + 1)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+# (key, label, formatter) in display order; unknown keys follow in their dict order.
+_SUMMARY_FIELDS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
+    ("val_loss", "validation loss", lambda v: f"{float(v):.4f}"),
+    ("train_loss", "train loss", lambda v: f"{float(v):.4f}"),
+    ("tokens_per_s", "tokens/s", lambda v: f"{float(v):,.0f}"),
+    ("wall_time_s", "wall time", lambda v: _fmt_duration(float(v))),
+    ("steps", "steps", str),
+    ("checkpoint_dir", "checkpoints", str),
+    ("metrics_file", "metrics", str),
+    ("loss_curve", "loss curve", str),
+)
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """Multi-line end-of-run block. Known keys get labels/units; others are printed as-is."""
+    rows: list[tuple[str, str]] = []
+    known = set()
+    for key, label, fmt in _SUMMARY_FIELDS:
+        known.add(key)
+        if summary.get(key) is not None:
+            rows.append((label, fmt(summary[key])))
+    for key, value in summary.items():
+        if key in known or value is None:
+            continue
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        rows.append((key, text))
+    width = max((len(label) for label, _ in rows), default=0)
+    lines = ["== wanka run summary =="]
+    lines += [f"  {label:<{width}} : {text}" for label, text in rows]
+    return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""The training job: set-up, the training step, evaluation, checkpoints, summary.
+
+Read `train_step` for what one optimizer step does; `run` for the whole job.
+Every loss is a *sum* normalised by a *global* count (all micro-batches on all ranks) and
+FSDP sums gradients, so N ranks compute exactly the gradient of one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from wanka.config import JobConfig, dump_toml
+from wanka.data.loader import Batch, PackedLoader, validation_batches
+from wanka.data.prepare import TokenDataset, ensure_builtin_dataset
+from wanka.device import autocast_dtype, dist_backend, local_device, resolve_device_type
+from wanka.distributed.parallel_dims import ParallelDims
+from wanka.distributed.parallelize import parallelize
+from wanka.models.transformer import Transformer
+from wanka.train.checkpoint import Checkpointer
+from wanka.train.metrics import MetricsWriter, format_summary
+from wanka.train.optim import build_optimizer, clip_grad_norm, set_lr
+
+log = logging.getLogger("wanka.train")
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    dims: ParallelDims
+    device: torch.device
+    model: Transformer
+    optimizer: torch.optim.AdamW
+    loader: PackedLoader
+    val: list[Batch]
+    rank: int
+    run_dir: Path
+    n_indexers: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(cfg: JobConfig) -> Job:
+    device_type = resolve_device_type(cfg.run.device)
+    if cfg.run.ops_backend:
+        os.environ["WANKA_OPS_BACKEND"] = cfg.run.ops_backend
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend(device_type))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = local_device(device_type)
+    run_dir = Path(cfg.run.dir)
+    _setup_logging(run_dir, rank)
+    dims = ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world)
+    dims.build_meshes(device_type)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_toml(cfg))
+
+    torch.manual_seed(cfg.train.seed)
+    data_path = _dataset_path(cfg, rank)
+    train_ds = TokenDataset(data_path, "train")
+    if train_ds.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data vocab_size {train_ds.vocab_size} > model.vocab_size "
+                         f"{cfg.model.vocab_size}: raise model.vocab_size")  # fmt: skip
+    dp_rank = dims.mesh("dp").get_local_rank()
+    loader = PackedLoader(train_ds, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank,
+                          dims.dp_shard, cfg.train.seed)  # fmt: skip
+    val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len,
+                             cfg.train.micro_batch_size, cfg.data.val_batches, dp_rank, dims.dp_shard)  # fmt: skip
+
+    # Meta device -> empty storage -> deterministic init -> shard.
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    model.init_weights(cfg.train.seed)
+    n_indexers = sum(blk.attention.indexer is not None for blk in model.layers.values())
+    parallelize(model, dims)
+    optimizer = build_optimizer(model, cfg.train)
+    return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers)
+
+
+def _dataset_path(cfg: JobConfig, rank: int) -> Path:
+    if cfg.data.path != "builtin":
+        return Path(cfg.data.path)
+    tok = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
+    if rank == 0:  # one rank prepares; the others wait and then open it
+        path = ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
+    dist.barrier()
+    return ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    """One rank prints, all ranks log to RUN_DIR/logs/rank{N}.log."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger("wanka")
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    fh = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    fh.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
+    root.addHandler(fh)
+    if rank == 0:
+        root.addHandler(logging.StreamHandler())
+    root.propagate = False
+
+
+def phase_at(cfg: JobConfig, step: int) -> str:
+    if cfg.train.phase == "dense_warmup" or step < cfg.train.dense_warmup_steps:
+        return "dense_warmup"
+    return "sparse"
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return Batch(*(t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels, batch.positions, batch.doc_ids)))
+
+
+def train_step(job: Job, step: int) -> dict[str, float]:
+    cfg, model = job.cfg, job.model
+    t0 = time.perf_counter()
+    phase = phase_at(cfg, step)
+    lr = set_lr(job.optimizer, step, cfg.train)
+    micro = [_to(job.loader.next_batch(), job.device) for _ in range(cfg.train.grad_accum)]
+
+    # Global target counts first, so each micro-batch's loss is scaled to the global mean.
+    counts = torch.tensor([sum(int((b.labels != -100).sum()) for b in micro),
+                           sum(_mtp_targets(b, cfg.model.mtp_depth) for b in micro)],
+                          dtype=torch.float64)  # fmt: skip
+    dist.all_reduce(counts)
+    n_lm, n_mtp = counts.clamp(min=1).tolist()
+    n_micro_global = cfg.train.grad_accum * job.dims.dp_shard
+    n_kl = max(n_micro_global * micro[0].tokens.numel() * job.n_indexers, 1)
+
+    sums = torch.zeros(4, dtype=torch.float64)
+    amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
+    for b in micro:
+        with torch.autocast(job.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
+        kl = parts.kl_sum / n_kl
+        if phase == "dense_warmup":
+            loss = kl  # only the indexer learns
+        else:
+            loss = (parts.lm_sum / n_lm + cfg.model.mtp_loss_weight * parts.mtp_sum / n_mtp + kl
+                    + cfg.model.balance_loss_weight * parts.balance / n_micro_global)  # fmt: skip
+        loss.backward()
+        sums += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
+                             parts.balance.detach()]).double().cpu()  # fmt: skip
+
+    grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip)
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    imbalance = _update_expert_bias(model, cfg.model.bias_update_rate if phase == "sparse" else 0.0)
+    dist.all_reduce(sums)
+    dt = time.perf_counter() - t0
+    tokens = n_micro_global * micro[0].tokens.numel()
+    lm, mtp, kl_sum, bal = sums.tolist()
+    return {
+        "loss": lm / n_lm, "lm_loss": lm / n_lm, "mtp_loss": mtp / n_mtp,
+        "indexer_kl": kl_sum / n_kl, "moe_balance": bal / n_micro_global,
+        "moe_max_load": imbalance, "grad_norm": float(grad_norm), "lr": lr,
+        "step_time": dt, "tokens_per_s": tokens / dt, "phase_sparse": float(phase == "sparse"),
+    }  # fmt: skip
+
+
+def _mtp_targets(b: Batch, depth: int) -> int:
+    from wanka.models.transformer import _mtp_labels
+
+    return sum(int((_mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1))
+
+
+@torch.no_grad()
+def _update_expert_bias(model: Transformer, rate: float) -> float:
+    """All-reduce per-expert loads, nudge the selection bias; return max load / mean load."""
+    moes = model.moe_layers()
+    if not moes:
+        return 1.0
+    loads = torch.stack([m.load for m in moes])
+    dist.all_reduce(loads)
+    for m, load in zip(moes, loads):
+        m.update_bias(load, rate)
+    return float((loads.max(1).values / loads.mean(1).clamp(min=1e-9)).mean())
+
+
+@torch.no_grad()
+def evaluate(job: Job, step: int) -> float:
+    """Held-out LM loss in nats per token (per byte with the byte tokenizer)."""
+    job.model.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    for b in job.val:
+        b = _to(b, job.device)
+        parts = job.model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase_at(job.cfg, step))
+        sums += torch.stack([parts.lm_sum.double().cpu(), parts.lm_count.double().cpu()])
+    for m in job.model.moe_layers():
+        m.load.zero_()  # eval routing must not count toward balancing
+    job.model.train()
+    dist.all_reduce(sums)
+    return float(sums[0] / sums[1].clamp(min=1))
+
+
+def run(cfg: JobConfig) -> dict:
+    """The whole job. Returns the summary (also written to RUN_DIR/summary.json)."""
+    t_start = time.perf_counter()
+    job = setup(cfg)
+    ckpt = Checkpointer(job.run_dir / "checkpoints", job.model, job.optimizer, cfg.checkpoint.keep,
+                        cfg.checkpoint.async_save, job.is_main)  # fmt: skip
+    start = _maybe_resume(job, ckpt)
+    metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
+    metrics.truncate_after(start)
+    log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
+             job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
+
+    tokens_per_s, val_loss, train_loss = [], None, None
+    for step in range(start, cfg.train.steps):
+        m = train_step(job, step)
+        tokens_per_s.append(m["tokens_per_s"])
+        train_loss = m["loss"]
+        if step + 1 == start + 1 or (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+            metrics.log_train(step + 1, m)
+        if (step + 1) % cfg.train.eval_every == 0 and step + 1 != cfg.train.steps:
+            val_loss = evaluate(job, step)
+            metrics.log_eval(step + 1, {"val_loss": val_loss})
+        if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps):
+            ckpt.save(step + 1, {"loader": job.loader.state_dict()})
+    ckpt.wait()
+    val_loss = evaluate(job, cfg.train.steps)
+    metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
+    metrics.close()
+    return _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, start)
+
+
+def _maybe_resume(job: Job, ckpt: Checkpointer) -> int:
+    load = job.cfg.checkpoint.load
+    path = None if load == "none" else (ckpt.latest() if load == "latest" else Path(load))
+    if path is None:
+        return 0
+    state = ckpt.load(path, {"loader": job.loader.state_dict()})
+    job.loader.load_state_dict(state["loader"])
+    log.info("resumed from %s at step %d", path, state["step"])
+    return int(state["step"])
+
+
+def _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, start) -> dict:
+    summary = {
+        "val_loss": val_loss, "train_loss": train_loss,
+        "tokens_per_s": sorted(tokens_per_s)[len(tokens_per_s) // 2] if tokens_per_s else None,
+        "wall_time_s": time.perf_counter() - t_start, "steps": job.cfg.train.steps,
+        "resumed_from_step": start, "world_size": job.dims.world_size,
+        "checkpoint_dir": str(ckpt.latest()) if ckpt.latest() else None,
+        "metrics_file": str(job.run_dir / "metrics.jsonl"),
+    }  # fmt: skip
+    if job.is_main:
+        from wanka.report import plot_loss_curves
+
+        summary["loss_curve"] = str(plot_loss_curves(job.run_dir))
+        (job.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary), flush=True)
+    return summary
