@@ -21,10 +21,17 @@ def _train(args: argparse.Namespace) -> int:
         if args.nproc > 1 or args.nnodes is not None:
             nnodes = int(str(args.nnodes or 1).split(":")[-1])
             ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
-            worker = ["train", *([args.config] if args.config else []), *sum((["--set", s] for s in args.set), [])]
+            worker = [
+                "train",
+                *([args.config] if args.config else []),
+                *sum((["--set", s] for s in args.set), []),
+            ]
             rc = launch(args.nproc, rdzv, worker)
             if rc != 0:
-                print(f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log", file=sys.stderr)
+                print(
+                    f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log",
+                    file=sys.stderr,
+                )
             return rc
         single_process_env()
     from wanka.train.trainer import run
@@ -76,17 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (N local ranks through torchrun)")
     t.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    t.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
     t.add_argument("--nproc", type=int, default=1, help="ranks on this node")
     for flag in RDZV_FLAGS:
-        t.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun")
+        t.add_argument(
+            "--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun"
+        )
     t.set_defaults(fn=_train)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
-    dp = d.add_parser("prepare", help="text/jsonl files (or 'builtin') -> memory-mapped token shards")
+    dp = d.add_parser(
+        "prepare", help="text/jsonl files (or 'builtin') -> memory-mapped token shards"
+    )
     dp.add_argument("inputs", nargs="+")
     dp.add_argument("--out", required=True)
-    dp.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
+    dp.add_argument(
+        "--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)"
+    )
     dp.add_argument("--val-fraction", type=float, default=0.01)
     dp.add_argument("--seed", type=int, default=0)
     dp.set_defaults(fn=_data_prepare)
@@ -105,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--micro-batch", type=int, default=1)
     m.set_defaults(fn=_model)
 
-    b = sub.add_parser("bench", help="benchmarks writing JSON").add_subparsers(dest="bench_cmd", required=True)
+    b = sub.add_parser("bench", help="benchmarks writing JSON").add_subparsers(
+        dest="bench_cmd", required=True
+    )
     bt = b.add_parser("train", help="tokens/s, step time, memory, MFU: tiny/small x 1/2 ranks")
     bt.add_argument("--quick", action="store_true")
     bt.add_argument("--steps", type=int, default=None)

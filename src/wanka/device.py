@@ -20,9 +20,13 @@ def resolve_device_type(requested: str = "auto") -> str:
     """'auto' picks an accelerator when one is present, else the CPU."""
     if requested != "auto":
         if requested == "cuda" and not torch.cuda.is_available():
-            raise ValueError("run.device='cuda' but no CUDA device is visible: set run.device='cpu'")
+            raise ValueError(
+                "run.device='cuda' but no CUDA device is visible: set run.device='cpu'"
+            )
         if requested == "npu" and not npu_available():
-            raise ValueError("run.device='npu' but torch_npu/NPU is unavailable: set run.device='cpu'")
+            raise ValueError(
+                "run.device='npu' but torch_npu/NPU is unavailable: set run.device='cpu'"
+            )
         return requested
     if torch.cuda.is_available():
         return "cuda"

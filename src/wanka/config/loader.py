@@ -27,7 +27,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError("", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml")
+            raise ConfigError(
+                "", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml"
+            )
         try:
             raw = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -41,7 +43,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
-        raise ConfigError(item, "override must look like section.key=value", "e.g. --set train.steps=50")
+        raise ConfigError(
+            item, "override must look like section.key=value", "e.g. --set train.steps=50"
+        )
     key, text = item.split("=", 1)
     parts = key.strip().split(".")
     try:
@@ -72,7 +76,9 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 
         flavor = raw.get("flavor", "tiny")
         if flavor not in FLAVORS:
-            raise ConfigError(_join(path, "flavor"), f"unknown flavor {flavor!r}", f"one of {', '.join(FLAVORS)}")
+            raise ConfigError(
+                _join(path, "flavor"), f"unknown flavor {flavor!r}", f"one of {', '.join(FLAVORS)}"
+            )
         base = dataclasses.replace(FLAVORS[flavor])
     values = {}
     for name in names:
@@ -90,7 +96,9 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 def _check_type(value: Any, tp: Any, path: str) -> Any:
     if get_origin(tp) is Literal:
         if value not in get_args(tp):
-            raise ConfigError(path, f"{value!r} is not allowed", f"one of {', '.join(map(repr, get_args(tp)))}")
+            raise ConfigError(
+                path, f"{value!r} is not allowed", f"one of {', '.join(map(repr, get_args(tp)))}"
+            )
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -126,7 +134,9 @@ def validate(cfg: JobConfig) -> None:
     if m.index_head_dim % 2 or m.index_head_dim <= 0:
         raise ConfigError("model.index_head_dim", "must be a positive even number (RoPE)")
     if m.n_active_experts > m.n_experts:
-        raise ConfigError("model.n_active_experts", f"{m.n_active_experts} > n_experts={m.n_experts}")
+        raise ConfigError(
+            "model.n_active_experts", f"{m.n_active_experts} > n_experts={m.n_experts}"
+        )
     if m.n_dense_layers > m.n_layers:
         raise ConfigError("model.n_dense_layers", f"{m.n_dense_layers} > n_layers={m.n_layers}")
     if m.n_experts % cfg.parallel.ep != 0:

@@ -28,11 +28,18 @@ def single_process_env() -> None:
     """World of one, so the same code path (process group, meshes, FSDP) runs everywhere."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+    for k, v in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("LOCAL_WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(k, v)
 
 
-def torchrun_command(nproc: int, rdzv: dict[str, str | int | None], worker_args: list[str]) -> list[str]:
+def torchrun_command(
+    nproc: int, rdzv: dict[str, str | int | None], worker_args: list[str]
+) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--local-ranks-filter=0"]  # fmt: skip
     given = {k: v for k, v in rdzv.items() if v is not None}

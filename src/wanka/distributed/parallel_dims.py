@@ -29,7 +29,9 @@ class ParallelDims:
         if dp_shard == -1:
             dp_shard = world_size
         if dp_shard <= 0 or ep <= 0:
-            raise ParallelError(f"parallel.dp_shard={dp_shard} and parallel.ep={ep} must be positive")
+            raise ParallelError(
+                f"parallel.dp_shard={dp_shard} and parallel.ep={ep} must be positive"
+            )
         if dp_shard != world_size:
             raise ParallelError(
                 f"parallel.dp_shard={dp_shard} does not match the world size {world_size} "
@@ -54,7 +56,9 @@ class ParallelDims:
         """Create the meshes (and their process groups) exactly once."""
         if self._meshes:
             return
-        world = init_device_mesh(device_type, (self.dp_mod_ep, self.ep), mesh_dim_names=("dp_mod_ep", "ep"))
+        world = init_device_mesh(
+            device_type, (self.dp_mod_ep, self.ep), mesh_dim_names=("dp_mod_ep", "ep")
+        )
         self._meshes = {
             "world": world,
             "dp": world["dp_mod_ep", "ep"]._flatten("dp"),

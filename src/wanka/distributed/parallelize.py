@@ -24,4 +24,5 @@ def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model

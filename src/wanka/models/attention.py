@@ -99,7 +99,9 @@ class Attention(nn.Module):
 
         if sparse and phase == "sparse":
             if indices is None:
-                raise RuntimeError("sparse attention layer has neither an indexer nor shared indices")
+                raise RuntimeError(
+                    "sparse attention layer has neither an indexer nor shared indices"
+                )
             out = ops.call("sparse_attention", q, k, v, indices, self.scale)
         else:
             out = ops.call("dense_attention", q, k, v, doc_ids, self.scale)

@@ -21,7 +21,9 @@ class RMSNorm(nn.Module):
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
     """[max_seq_len, head_dim // 2, 2] cos/sin table."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    )
     ang = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv)
     return torch.stack([ang.cos(), ang.sin()], dim=-1)
 

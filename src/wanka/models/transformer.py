@@ -44,7 +44,9 @@ class Block(nn.Module):
         self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
 
     def forward(self, x, positions, doc_ids, ropes, shared_indices, phase):
-        h, aux = self.attention(self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase)
+        h, aux = self.attention(
+            self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase
+        )
         x = x + h
         if self.moe is not None:
             f, balance = self.moe(self.ffn_norm(x))
@@ -139,7 +141,9 @@ class Transformer(nn.Module):
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = labels.reshape(-1)
-    s = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    s = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum"
+    )
     return s, (flat != -100).sum()
 
 

@@ -39,7 +39,9 @@ def register(
     available: Callable[[], bool] = lambda: True,
 ) -> Callable[[Callable], Callable]:
     def deco(fn: Callable) -> Callable:
-        _REGISTRY.setdefault(op, {})[backend] = Backend(backend, fn, device_types, priority, available)
+        _REGISTRY.setdefault(op, {})[backend] = Backend(
+            backend, fn, device_types, priority, available
+        )
         return fn
 
     return deco

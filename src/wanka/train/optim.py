@@ -22,9 +22,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         else:
             groups["no_decay"].append(p)
     param_groups = [
-        {"params": groups["decay"], "weight_decay": cfg.weight_decay, "lr": cfg.lr, "base_lr": cfg.lr},
+        {
+            "params": groups["decay"],
+            "weight_decay": cfg.weight_decay,
+            "lr": cfg.lr,
+            "base_lr": cfg.lr,
+        },
         {"params": groups["no_decay"], "weight_decay": 0.0, "lr": cfg.lr, "base_lr": cfg.lr},
-        {"params": groups["indexer"], "weight_decay": 0.0, "lr": cfg.indexer_lr, "base_lr": cfg.indexer_lr},
+        {
+            "params": groups["indexer"],
+            "weight_decay": 0.0,
+            "lr": cfg.indexer_lr,
+            "base_lr": cfg.indexer_lr,
+        },
     ]
     param_groups = [g for g in param_groups if g["params"]]
     return torch.optim.AdamW(param_groups, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
@@ -52,7 +62,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, group=None) -> t
 
     Works across parameters living on different meshes (FSDP over dp, experts over ep x
     dp_mod_ep), because every gradient element is stored on exactly one rank."""
-    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    local = [
+        p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        for p in params
+        if p.grad is not None
+    ]
     sq = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
     for g in local:
         sq += g.float().pow(2).sum()

@@ -20,7 +20,13 @@ import torch.distributed as dist
 from wanka.config import JobConfig, dump_toml
 from wanka.data.loader import Batch, PackedLoader, validation_batches
 from wanka.data.prepare import TokenDataset, ensure_builtin_dataset
-from wanka.device import autocast_dtype, dist_backend, local_device, resolve_device_type
+from wanka.device import (
+    autocast_dtype,
+    dist_backend,
+    local_device,
+    peak_memory_bytes,
+    resolve_device_type,
+)
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
 from wanka.models.transformer import Transformer
@@ -93,7 +99,7 @@ def _dataset_path(cfg: JobConfig, rank: int) -> Path:
         return Path(cfg.data.path)
     tok = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
     if rank == 0:  # one rank prepares; the others wait and then open it
-        path = ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
+        ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
     dist.barrier()
     return ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
 
@@ -119,7 +125,12 @@ def phase_at(cfg: JobConfig, step: int) -> str:
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
-    return Batch(*(t.to(device, non_blocking=True) for t in (batch.tokens, batch.labels, batch.positions, batch.doc_ids)))
+    return Batch(
+        *(
+            t.to(device, non_blocking=True)
+            for t in (batch.tokens, batch.labels, batch.positions, batch.doc_ids)
+        )
+    )
 
 
 def train_step(job: Job, step: int) -> dict[str, float]:
@@ -172,7 +183,9 @@ def train_step(job: Job, step: int) -> dict[str, float]:
 def _mtp_targets(b: Batch, depth: int) -> int:
     from wanka.models.transformer import _mtp_labels
 
-    return sum(int((_mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1))
+    return sum(
+        int((_mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1)
+    )
 
 
 @torch.no_grad()
@@ -216,23 +229,30 @@ def run(cfg: JobConfig) -> dict:
     log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
              job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
 
-    tokens_per_s, val_loss, train_loss = [], None, None
+    tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
     for step in range(start, cfg.train.steps):
         m = train_step(job, step)
         tokens_per_s.append(m["tokens_per_s"])
+        step_times.append(m["step_time"])
         train_loss = m["loss"]
-        if step + 1 == start + 1 or (step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps:
+        if (
+            step + 1 == start + 1
+            or (step + 1) % cfg.train.log_every == 0
+            or step + 1 == cfg.train.steps
+        ):
             metrics.log_train(step + 1, m)
         if (step + 1) % cfg.train.eval_every == 0 and step + 1 != cfg.train.steps:
             val_loss = evaluate(job, step)
             metrics.log_eval(step + 1, {"val_loss": val_loss})
-        if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps):
+        if cfg.checkpoint.enable and (
+            (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
+        ):
             ckpt.save(step + 1, {"loader": job.loader.state_dict()})
     ckpt.wait()
     val_loss = evaluate(job, cfg.train.steps)
     metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
     metrics.close()
-    return _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, start)
+    return _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start)
 
 
 def _maybe_resume(job: Job, ckpt: Checkpointer) -> int:
@@ -246,12 +266,30 @@ def _maybe_resume(job: Job, ckpt: Checkpointer) -> int:
     return int(state["step"])
 
 
-def _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, start) -> dict:
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: device allocator peak, or process max RSS on CPU; max over ranks."""
+    peak = peak_memory_bytes(device)
+    if peak is None:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    t = torch.tensor([peak / 2**20], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start) -> dict:
     summary = {
         "val_loss": val_loss, "train_loss": train_loss,
-        "tokens_per_s": sorted(tokens_per_s)[len(tokens_per_s) // 2] if tokens_per_s else None,
+        "tokens_per_s": _median(tokens_per_s),
         "wall_time_s": time.perf_counter() - t_start, "steps": job.cfg.train.steps,
         "resumed_from_step": start, "world_size": job.dims.world_size,
+        "peak_memory_mb": _peak_memory_mb(job.device),
+        "step_time_s": _median(step_times),
         "checkpoint_dir": str(ckpt.latest()) if ckpt.latest() else None,
         "metrics_file": str(job.run_dir / "metrics.jsonl"),
     }  # fmt: skip

@@ -23,9 +23,7 @@ def moe_permute(
 
 
 @register("moe_unpermute", "reference")
-def moe_unpermute(
-    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [N*k, D] in expert order, weights [N, k] -> weighted sum per token [N, D]."""
     N, k = weights.shape
     out = torch.zeros(N * k, y.shape[-1], dtype=y.dtype, device=y.device)
