@@ -16,6 +16,10 @@ def _train(args: argparse.Namespace) -> int:
     from wanka.distributed.parallel_dims import ParallelDims
 
     cfg = load_config(args.config, args.set)
+    if cfg.data.path != "builtin":  # fail here, not in N ranks behind torchrun
+        from wanka.data.prepare import read_meta
+
+        read_meta(cfg.data.path)
     rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
     if not inside_torchrun():
         if args.nproc > 1 or args.nnodes is not None:

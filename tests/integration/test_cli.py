@@ -1,0 +1,108 @@
+"""The `wanka` command end to end, as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`wanka train` on 2 ranks (dp 2 x ep 2) with the demo config, shortened."""
+    run_dir = tmp_path_factory.mktemp("run") / "demo"
+    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=6",
+              "--set", "train.eval_every=3", "--set", "checkpoint.every=3", "--set", "data.val_batches=2",
+              "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return run_dir, r
+
+
+def test_train_end_to_end(trained):
+    run_dir, r = trained
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert 0 < summary["val_loss"] < 6 and summary["tokens_per_s"] > 0
+    assert (run_dir / "checkpoints" / "step-00000006" / "COMPLETE").is_file()
+    assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "config.toml").is_file()
+    assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "logs" / "rank1.log").is_file()
+    assert "validation loss" in r.stdout and "step 6/6" in r.stdout + r.stderr
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in rows if x["kind"] == "train"]
+    assert [x["step"] for x in train] == [1, 2, 3, 4, 5, 6]
+    for key in (
+        "lm_loss",
+        "mtp_loss",
+        "indexer_kl",
+        "moe_balance",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+    ):
+        assert key in train[-1], key
+
+
+def test_report_draws_png(trained):
+    run_dir, _ = trained
+    (run_dir / "loss_curve.png").unlink()
+    r = wanka("report", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert (run_dir / "loss_curve.png").is_file()
+
+
+def test_rerun_resumes_and_finishes(trained):
+    """Running the same job again finds the final checkpoint and does no extra steps."""
+    run_dir, _ = trained
+    r = wanka("train", "configs/demo.toml", "--set", "train.steps=6", "--set", "parallel.ep=1",
+              "--set", "data.val_batches=2", "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 6
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--set", "model.n_heads=3"], "model.n_heads"),
+        (["--set", "train.stepz=3"], "did you mean 'steps'"),
+        (["--set", "parallel.ep=2", "--nproc", "1"], "parallel.ep=2 must divide"),
+        (["--set", "parallel.dp_shard=4", "--nproc", "2"], "does not match the world size"),
+        (["--set", 'data.path="/nonexistent/ds"', "--nproc", "2"], "wanka data prepare"),
+    ],
+)
+def test_bad_input_gives_one_line_error(args, fragment, tmp_path):
+    r = wanka("train", "configs/demo.toml", "--set", f'run.dir="{tmp_path}"', *args)
+    assert r.returncode == 2
+    assert fragment in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_data_prepare_and_train_on_it(tmp_path):
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(("hello wanka, document %d. " % i) * (50 + 40 * i))
+    (tmp_path / "more.jsonl").write_text(
+        "\n".join(json.dumps({"text": "line %d " % i * 30}) for i in range(20))
+    )
+    out = tmp_path / "ds"
+    r = wanka("data", "prepare", *map(str, sorted(tmp_path.glob("doc*.txt"))), str(tmp_path / "more.jsonl"),
+              "--out", str(out), "--val-fraction", "0.2")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == 256
+    r = wanka("train", "--set", f'data.path="{out}"', "--set", "data.seq_len=64", "--set", "train.steps=2",
+              "--set", "data.val_batches=1", "--set", "train.micro_batch_size=2",
+              "--set", "run.tensorboard=false", "--set", f'run.dir="{tmp_path / "run"}"')  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_model_info_for_production_flavor():
+    r = wanka("model", "x25-293b", "--dp", "1024", "--ep", "64", "--seq-len", "8192")
+    assert r.returncode == 0, r.stderr
+    assert "total 292." in r.stdout and "active" in r.stdout and "GiB" in r.stdout

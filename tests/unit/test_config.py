@@ -1,0 +1,62 @@
+"""Configs: typed TOML, field-path errors with hints, overrides, flavors, round trip."""
+
+import tomllib
+
+import pytest
+
+from wanka.config import ConfigError, dump_toml, load_config
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "job.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(_write(tmp_path, "[train]\nsteps = 7\n"), ["train.lr=0.01", "run.dir=runs/x"])
+    assert cfg.train.steps == 7 and cfg.train.lr == 0.01 and cfg.run.dir == "runs/x"
+    assert cfg.model.flavor == "tiny"
+
+
+def test_flavor_then_explicit_keys(tmp_path):
+    cfg = load_config(_write(tmp_path, '[model]\nflavor = "small"\nn_layers = 3\n'))
+    assert cfg.model.dim == 512 and cfg.model.n_layers == 3
+
+
+@pytest.mark.parametrize(
+    "text, path, fragment",
+    [
+        ("[train]\nstepz = 3\n", "train.stepz", "did you mean 'steps'"),
+        ("[trian]\nsteps = 3\n", "trian", "did you mean 'train'"),
+        ('[train]\nsteps = "many"\n', "train.steps", "expected int"),
+        ("[train]\nsteps = true\n", "train.steps", "expected int"),
+        ("[model]\nn_heads = 3\n", "model.n_heads", "do not divide model.dim"),
+        ("[parallel]\nep = 3\n", "parallel.ep", "does not divide model.n_experts"),
+        ('[model]\nflavor = "huge"\n', "model.flavor", "unknown flavor"),
+        ('[train]\nphase = "warm"\n', "train.phase", "'sparse'"),
+        ("[data]\nseq_len = 99999\n", "data.seq_len", "max_seq_len"),
+        ("[train]\nmicro_batch_size = 0\n", "train.micro_batch_size", "positive"),
+    ],
+)
+def test_bad_configs_name_the_field(tmp_path, text, path, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text))
+    assert e.value.path == path
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["train.steps"])
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[train\n"))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ['model.flavor="small"', "train.steps=9", "checkpoint.async_save=true"])
+    again = load_config(_write(tmp_path, dump_toml(cfg)))
+    assert again == cfg
+    assert tomllib.loads(dump_toml(cfg))["train"]["steps"] == 9
