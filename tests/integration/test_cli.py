@@ -87,9 +87,9 @@ def test_bad_input_gives_one_line_error(args, fragment, tmp_path):
 
 def test_data_prepare_and_train_on_it(tmp_path):
     for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(("hello wanka, document %d. " % i) * (50 + 40 * i))
+        (tmp_path / f"doc{i}.txt").write_text(f"hello wanka, document {i}. " * (50 + 40 * i))
     (tmp_path / "more.jsonl").write_text(
-        "\n".join(json.dumps({"text": "line %d " % i * 30}) for i in range(20))
+        "\n".join(json.dumps({"text": f"line {i} " * 30}) for i in range(20))
     )
     out = tmp_path / "ds"
     r = wanka("data", "prepare", *map(str, sorted(tmp_path.glob("doc*.txt"))), str(tmp_path / "more.jsonl"),
