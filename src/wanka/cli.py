@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
 
 
@@ -21,6 +22,11 @@ def _train(args: argparse.Namespace) -> int:
 
         read_meta(cfg.data.path)
     rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
+    worker = ["train", *([args.config] if args.config else []), *sum((["--set", s] for s in args.set), [])]
+    if args.cluster:  # one job across the cluster-in-a-box nodes, torchrun on each
+        from wanka.cluster.launch import launch_on_cluster
+
+        return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
     if not inside_torchrun():
         if args.nproc > 1 or args.nnodes is not None:
             nnodes = int(str(args.nnodes or 1).split(":")[-1])
@@ -90,12 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
-    t.add_argument("--nproc", type=int, default=1, help="ranks on this node")
+    t.add_argument("--nproc", type=int, default=1, help="ranks on this node (on each node with --cluster)")
+    t.add_argument("--cluster", action="store_true", help="span the nodes of `wanka cluster up`")
+    t.add_argument("--cluster-state", default=None, help="cluster state dir (default: the testbed's)")
     for flag in RDZV_FLAGS:
         t.add_argument(
             "--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun"
         )
     t.set_defaults(fn=_train)
+    add_cluster_parser(sub)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     dp = d.add_parser(
@@ -132,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--steps", type=int, default=None)
     bt.add_argument("--out", default="runs/bench/train.json")
     bt.set_defaults(fn=_bench)
+    add_bench_net_parser(b)
     return p
 
 

@@ -56,14 +56,15 @@ def test_save_on_two_ranks_load_on_one(job_args, tmp_path):
     _close({k: two[k] for k in (3, 4)}, one)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_exact(job_args, tmp_path, world):
+@pytest.mark.parametrize("world, async_save", [(1, False), (2, True)])
+def test_resume_is_exact(job_args, tmp_path, world, async_save):
     """Stop at step 2, resume: per-step losses equal an uninterrupted run, bitwise on CPU."""
     mb = f"train.micro_batch_size={4 // world}"
     ep = f"parallel.ep={world}"
+    asy = f"checkpoint.async_save={str(async_save).lower()}"
     spawn(world, train_job, job_args("full", mb, ep, "checkpoint.every=2", "train.steps=5"))
     part = tmp_path / "part"
-    args = job_args("part", mb, ep, "checkpoint.every=2", "train.steps=5", "checkpoint.keep=5")
+    args = job_args("part", mb, ep, asy, "checkpoint.every=2", "train.steps=5", "checkpoint.keep=5")
     spawn(world, train_job, args)
     # Simulate a crash after step 2: only the step-2 checkpoint survives; rerun resumes from it.
     for d in (part / "checkpoints").glob("step-*"):

@@ -1,0 +1,69 @@
+"""One job across the nodes: torchrun inside every node's namespace, all meeting at a c10d
+rendezvous hosted by node 0's agent on node 0's address, so gloo traffic between ranks on
+different nodes crosses the shaped links and traffic between ranks on one node stays on its
+loopback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+
+from wanka.cluster import nodes as nd
+from wanka.cluster.state import ClusterState, require
+
+RDZV_PORT = 29400
+
+
+def torchrun_argv(st: ClusterState, i: int, nproc_per_node: int, target: list[str],
+                  rdzv_id: str, port: int = RDZV_PORT) -> list[str]:  # fmt: skip
+    """torchrun for node i. `target` is what torchrun runs: ["-m", "wanka.cli", ...] or a
+    script path and its arguments."""
+    node = st.nodes[i]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(st.nodes)}",
+        f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={st.master.addr}:{port}", f"--rdzv-id={rdzv_id}",
+        # Inside a namespace the hostname resolves to 127.0.0.1: say explicitly who hosts the
+        # rendezvous store and which address this node's agent advertises.
+        f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={node.addr}",
+        *target,
+    ]  # fmt: skip
+
+
+def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None = None,
+                   timeout: float | None = None, **popen_kw) -> int:  # fmt: skip
+    """Start torchrun on every node, wait for all; the first non-zero exit code, else 0. When
+    one node fails the others are stopped rather than left waiting for it."""
+    st = require(state_dir)
+    rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"
+    procs = [nd.popen(n, torchrun_argv(st, i, nproc_per_node, target, rdzv_id), **popen_kw)
+             for i, n in enumerate(st.nodes)]  # fmt: skip
+    deadline = None if timeout is None else time.monotonic() + timeout
+    rc = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or (deadline is not None and time.monotonic() > deadline):
+                rc = failed[0] if failed else 124
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()  # torchrun forwards this to its ranks
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    return rc or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def launch_on_cluster(nproc_per_node: int, worker_args: list[str],
+                      state_dir: str | None = None) -> int:  # fmt: skip
+    """`wanka <worker_args...>` as one job over every node of the cluster, `nproc_per_node`
+    ranks each. Every rank has WANKA_NODE (its node's name) in its environment."""
+    return run_on_cluster(nproc_per_node, ["-m", "wanka.cli", *worker_args], state_dir)

@@ -1,0 +1,77 @@
+"""The cluster's state file: what `up` made, written *before* each thing is made, so that `down`
+(or the next `up` after a crash) removes exactly that and nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DEFAULT_STATE_DIR = "/run/wanka-cluster"
+STATE_FILE = "cluster.json"
+
+
+def state_dir(given: str | None = None) -> Path:
+    return Path(given or os.environ.get("WANKA_CLUSTER_STATE") or DEFAULT_STATE_DIR)
+
+
+@dataclass
+class Node:
+    name: str  # user-facing: n0, n1, ...
+    netns: str  # network namespace
+    veth_host: str  # bridge side of the node's link (in the root namespace)
+    veth_node: str  # node side of the link (inside the namespace): GLOO_SOCKET_IFNAME
+    addr: str  # the node's address on the private network
+
+
+@dataclass
+class ClusterState:
+    name: str
+    subnet: str
+    bridge: str
+    link_gbit: float
+    intra_gbit: float | None
+    nodes: list[Node] = field(default_factory=list)
+    # ("netns" | "link", name) in creation order; `down` removes these in reverse.
+    made: list[list[str]] = field(default_factory=list)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if name in (n.name, n.netns):
+                return n
+        known = ", ".join(n.name for n in self.nodes)
+        raise ValueError(f"unknown node {name!r}: this cluster has {known}")
+
+    @property
+    def master(self) -> Node:
+        return self.nodes[0]
+
+
+def load(sdir: str | Path | None = None) -> ClusterState | None:
+    path = state_dir(str(sdir) if sdir else None) / STATE_FILE
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    nodes = [Node(**n) for n in raw.pop("nodes")]
+    return ClusterState(nodes=nodes, **raw)
+
+
+def require(sdir: str | Path | None = None) -> ClusterState:
+    st = load(sdir)
+    if st is None:
+        where = state_dir(str(sdir) if sdir else None)
+        raise ValueError(f"no cluster is up (no state in {where}); run `wanka cluster up` first")
+    return st
+
+
+def save(st: ClusterState, sdir: str | Path | None = None) -> None:
+    d = state_dir(str(sdir) if sdir else None)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(asdict(st), indent=1))
+    tmp.replace(d / STATE_FILE)  # atomic: a crash never leaves half a state file
+
+
+def remove(sdir: str | Path | None = None) -> None:
+    (state_dir(str(sdir) if sdir else None) / STATE_FILE).unlink(missing_ok=True)

@@ -1,0 +1,183 @@
+"""Bring the cluster up and down. Each node is a network namespace wired to a private bridge by
+a veth pair; the pair is shaped with tbf in both directions (node side: egress from the node,
+bridge side: egress towards it), so node-to-node traffic crosses two shaped hops of the same
+rate, like one full-duplex link. Loopback inside a node carries intra-node traffic, unshaped
+unless `intra_gbit` is given. The bridge has no address and no uplink: nothing can leave."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import time
+from pathlib import Path
+
+from wanka.cluster import netns as nx
+from wanka.cluster.state import ClusterState, Node, load, remove, save
+
+DEFAULT_SUBNET = "10.231.0.0/24"
+NAME_RE = re.compile(r"[a-z][a-z0-9]{0,5}")  # keeps "<name>-n63h" under the 15-char ifname limit
+
+
+def names(name: str, i: int) -> Node:
+    """Deterministic names: a crashed `up` that lost its state file is still recognisable."""
+    return Node(name=f"n{i}", netns=f"wanka-{name}-n{i}", veth_host=f"{name}-n{i}h",
+                veth_node=f"{name}-n{i}", addr="")  # fmt: skip
+
+
+def _check_subnet(subnet: str, nodes: int) -> ipaddress.IPv4Network:
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as e:
+        raise ValueError(f"bad --subnet {subnet!r}: {e}") from None
+    private = [ipaddress.IPv4Network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")]
+    if not any(net.subnet_of(p) for p in private):
+        raise ValueError(
+            f"--subnet {subnet} is not private (use part of 10/8, 172.16/12, 192.168/16)"
+        )
+    if net.num_addresses - 2 < nodes:
+        raise ValueError(f"--subnet {subnet} is too small for {nodes} nodes")
+    # Never shadow a network the host already uses: our addresses must exist only in our nodes.
+    for dst in nx.routes() + nx.addrs():
+        if dst != "default" and net.overlaps(ipaddress.IPv4Network(dst, strict=False)):
+            raise ValueError(f"--subnet {subnet} overlaps the host's {dst}; pick another --subnet")
+    return net
+
+
+def _leftovers(name: str) -> tuple[list[str], list[str]]:
+    """Namespaces and root links named like ours (from a run that crashed without state)."""
+    ns = sorted(n for n in nx.netns_list() if re.fullmatch(rf"wanka-{name}-n\d+", n))
+    pat = rf"{name}-(br|n\d+h)"
+    ln = sorted(x["ifname"] for x in nx.links() if re.fullmatch(pat, x["ifname"]))
+    return ns, ln
+
+
+def _remove(kind: str, obj: str) -> None:
+    if kind == "netns":
+        if obj in nx.netns_list():
+            nx.kill_netns_pids(obj)
+            nx.sh("ip", "netns", "del", obj)
+    elif nx.link_exists(obj):
+        nx.sh("ip", "link", "del", "dev", obj, check=False)  # may vanish with its peer meanwhile
+
+
+def _make(st: ClusterState, kind: str, obj: str, sdir: str | Path | None, *cmd: str) -> None:
+    st.made.append([kind, obj])
+    save(st, sdir)  # record first: a crash right after creating still gets cleaned up
+    nx.sh(*cmd)
+
+
+def create_node(st: ClusterState, node: Node, prefixlen: int, sdir: str | Path | None) -> None:
+    ns, vh, vn = node.netns, node.veth_host, node.veth_node
+    _make(st, "netns", ns, sdir, "ip", "netns", "add", ns)
+    _make(st, "link", vh, sdir, "ip", "link", "add", vh, "type", "veth", "peer", "name", vn,
+          "netns", ns)  # fmt: skip
+    # addrgenmode none: no IPv6 link-local chatter; the only addresses are the ones we give.
+    nx.sh("ip", "link", "set", vh, "addrgenmode", "none")
+    nx.sh("ip", "link", "set", vh, "master", st.bridge, "up")
+    nx.sh("ip", "-n", ns, "link", "set", "lo", "up")
+    nx.sh("ip", "-n", ns, "link", "set", vn, "addrgenmode", "none")
+    nx.sh("ip", "-n", ns, "addr", "add", f"{node.addr}/{prefixlen}", "dev", vn)
+    nx.sh("ip", "-n", ns, "link", "set", vn, "up")
+    nx.shape(vn, st.link_gbit, ns)  # node -> bridge
+    nx.shape(vh, st.link_gbit)  # bridge -> node
+    if st.intra_gbit:
+        nx.shape("lo", st.intra_gbit, ns)
+
+
+def _healthy(st: ClusterState) -> bool:
+    have = nx.netns_list()
+    return nx.link_exists(st.bridge) and all(
+        n.netns in have and nx.link_exists(n.veth_host) for n in st.nodes
+    )
+
+
+def up(nodes: int, link_gbit: float = 1.0, intra_gbit: float | None = None, name: str = "wk",
+       subnet: str = DEFAULT_SUBNET, sdir: str | Path | None = None) -> ClusterState:  # fmt: skip
+    """Create the cluster. Idempotent: the same request on a healthy cluster changes nothing;
+    anything else (other parameters, a half-made or crashed cluster) is torn down first."""
+    if not 1 <= nodes <= 64:
+        raise ValueError(f"--nodes {nodes}: use 1..64")
+    if link_gbit <= 0 or (intra_gbit is not None and intra_gbit <= 0):
+        raise ValueError("--link-gbit/--intra-gbit must be > 0")
+    if not NAME_RE.fullmatch(name):
+        raise ValueError(f"--name {name!r}: 1-6 lowercase letters/digits, starting with a letter")
+    net = _check_subnet(subnet, nodes)  # before touching anything: bad input changes nothing
+    old = load(sdir)
+    want = (name, str(net), nodes, link_gbit, intra_gbit)
+    if old and (old.name, old.subnet, len(old.nodes), old.link_gbit, old.intra_gbit) == want:
+        if _healthy(old):
+            return old
+    if old:
+        down(sdir)
+    stale_ns, stale_links = _leftovers(name)
+    for ln in stale_links:
+        _remove("link", ln)
+    for ns in stale_ns:
+        _remove("netns", ns)
+    nx.wait_gone(stale_links)
+    hosts = net.hosts()
+    st = ClusterState(name=name, subnet=str(net), bridge=f"{name}-br", link_gbit=link_gbit,
+                      intra_gbit=intra_gbit)  # fmt: skip
+    try:
+        _make(st, "link", st.bridge, sdir, "ip", "link", "add", st.bridge, "type", "bridge")
+        nx.sh("ip", "link", "set", st.bridge, "addrgenmode", "none")
+        nx.sh("ip", "link", "set", st.bridge, "up")
+        for i in range(nodes):
+            node = names(name, i)
+            node.addr = str(next(hosts))
+            st.nodes.append(node)
+            create_node(st, node, net.prefixlen, sdir)
+        save(st, sdir)
+    except BaseException:
+        down(sdir)  # leave nothing half-made behind
+        raise
+    return st
+
+
+def down(sdir: str | Path | None = None) -> list[str]:
+    """Remove what the state file says we made (and only that); returns what was removed."""
+    st = load(sdir)
+    if st is None:
+        return []
+    removed = []
+    # Processes first (a namespace held by a process outlives `ip netns del`), then the links,
+    # then the namespaces.
+    for kind in ("netns-pids", "link", "netns"):
+        for k, obj in reversed(st.made):
+            if kind == "netns-pids" and k == "netns" and obj in nx.netns_list():
+                nx.kill_netns_pids(obj)
+            elif k == kind:
+                _remove(k, obj)
+                removed.append(obj)
+    nx.wait_gone([obj for k, obj in st.made if k == "link"])
+    remove(sdir)
+    return removed
+
+
+def status(sdir: str | Path | None = None) -> dict:
+    st = load(sdir)
+    if st is None:
+        return {"up": False}
+    have = nx.netns_list()
+    nodes = []
+    for n in st.nodes:
+        alive = n.netns in have
+        link = next((x for x in nx.links() if x["ifname"] == n.veth_host), None)
+        nodes.append({
+            "node": n.name, "netns": n.netns if alive else None, "addr": n.addr,
+            "link": ("up" if "UP" in link["flags"] else "cut") if link else "missing",
+            "procs": len(nx.netns_pids(n.netns)) if alive else 0,
+            "shaping": nx.qdisc(n.veth_host),
+        })  # fmt: skip
+    return {"up": True, "healthy": _healthy(st), "name": st.name, "subnet": st.subnet,
+            "bridge": st.bridge, "link_gbit": st.link_gbit, "intra_gbit": st.intra_gbit,
+            "nodes": nodes}  # fmt: skip
+
+
+def wait_link(st: ClusterState, timeout: float = 5.0) -> None:
+    """Until every node's veth reports carrier (a fresh bridge port takes a moment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all("LOWER_UP" in x["flags"] for x in nx.links() if x["ifname"].startswith(st.name)):
+            return
+        time.sleep(0.05)
