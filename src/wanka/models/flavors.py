@@ -6,7 +6,7 @@ from __future__ import annotations
 from wanka.config.schema import ModelConfig
 
 FLAVORS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(flavor="tiny"),
+    "tiny": ModelConfig(flavor="tiny", bias_update_rate=1e-2),
     "small": ModelConfig(
         flavor="small", vocab_size=256, dim=512, n_layers=8, n_heads=8, head_dim=64,
         n_index_heads=4, index_head_dim=32, index_topk=256, index_share_every=2,
