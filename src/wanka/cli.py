@@ -87,6 +87,12 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_train_main(quick=args.quick, out=Path(args.out), steps=args.steps)
 
 
+def _bench_ops(args: argparse.Namespace) -> int:
+    from wanka.bench.ops import bench_ops_main
+
+    return bench_ops_main(args.quick, Path(args.out), args.budget_gib)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wanka", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -142,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--out", default="runs/bench/train.json")
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
+    bo = b.add_parser("ops", help="attention operators per backend: time, memory, error, FLOP/s")
+    bo.add_argument("--quick", action="store_true")
+    bo.add_argument("--budget-gib", type=float, default=12.0, help="skip cases estimated above this")
+    bo.add_argument("--out", default="runs/bench/ops.json")
+    bo.set_defaults(fn=_bench_ops)
     return p
 
 

@@ -41,6 +41,11 @@ class Checkpointer:
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
         self._pending: tuple[Any, Path, int] | None = None
         self.last_save_seconds = 0.0
+        # Async saves run DCP's collectives in a background thread: they need their own process
+        # group, or they interleave with training collectives on the default one and deadlock.
+        self._async_group = (
+            dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        )
 
     def _state(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -54,7 +59,7 @@ class Checkpointer:
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
         if self.async_save:
-            fut = dcp.async_save(state, checkpoint_id=str(path))
+            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group)
             self._pending = (fut, path, step)
         else:
             dcp.save(state, checkpoint_id=str(path))

@@ -1,0 +1,173 @@
+"""`wanka bench ops`: attention operators per backend, each case in a fresh subprocess.
+
+Per case: forward and forward+backward time (median of repeats after warm-up), peak memory
+(process max-RSS growth over the case on CPU; allocator peak on accelerators), max error vs the
+reference on the same inputs, and achieved FLOP/s against a measured matmul peak. A fresh
+process per case keeps one case's peak memory from hiding another's. Cases whose estimated
+memory exceeds the budget are recorded as skipped with the estimate, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GIB = 1024**3
+
+
+def _cases(quick: bool) -> list[dict]:
+    """Shapes of the issue: L in 4k..32k, k in 512..2048; quick keeps the small ones."""
+    H, D = 16, 64
+    Ls = [4096, 8192] if quick else [4096, 8192, 16384, 32768]
+    ks = [512, 1024] if quick else [512, 1024, 2048]
+    cases = []
+    for L in Ls:
+        for k in ks:
+            for pattern in ("realistic", "random"):
+                for backend in ("reference", "cpu"):
+                    cases.append(dict(op="sparse_attention", backend=backend, L=L, k=k, H=H, D=D, pattern=pattern))
+        for backend in ("reference", "cpu"):
+            cases.append(dict(op="dense_attention", backend=backend, L=L, H=H, D=D))
+            for k in ks:
+                cases.append(dict(op="lightning_indexer", backend=backend, L=L, k=k, Hi=4, Di=32))
+    return cases
+
+
+def estimate_bytes(case: dict) -> float:
+    """Rough peak of the materialising reference (the fast backends stay far below it)."""
+    L, B = case["L"], 1
+    if case["backend"] != "reference":
+        return 0.0
+    if case["op"] == "sparse_attention":  # gathered K, V and their grads, scores/probs
+        return B * L * case["k"] * (4 * case["D"] + 3 * case["H"]) * 4
+    if case["op"] == "dense_attention":
+        return B * case["H"] * L * L * 4 * 4
+    return B * L * L * (case["Hi"] * 2 + 4) * 4  # indexer: [L, Hi, L] relu scores + grads
+
+
+def flops(case: dict) -> tuple[float, float]:
+    """(forward, forward+backward) model FLOPs of the op (matmul work only)."""
+    L = case["L"]
+    if case["op"] == "sparse_attention":
+        f = 4 * L * case["k"] * case["H"] * case["D"]
+    elif case["op"] == "dense_attention":
+        f = 4 * L * (L + 1) / 2 * case["H"] * case["D"]
+    else:
+        f = 2 * L * (L + 1) / 2 * case["Hi"] * case["Di"]
+    return f, 3.5 * f  # backward ~2.5x forward for attention (recompute of scores included)
+
+
+def run_case(case: dict, repeats: int) -> dict:
+    """Executed inside the child process."""
+    import resource
+
+    import torch
+
+    from wanka import ops
+    from wanka.ops.index_patterns import random_indices, realistic_indices
+
+    torch.manual_seed(0)
+    os.environ["WANKA_OPS_BACKEND"] = f"{case['op']}={case['backend']}"
+    L = case["L"]
+    doc_ids = torch.zeros(1, L, dtype=torch.int32)
+    if case["op"] == "sparse_attention":
+        q, k, v = (torch.randn(1, L, case["H"], case["D"]), torch.randn(1, L, case["D"]), torch.randn(1, L, case["D"]))
+        gen = realistic_indices if case["pattern"] == "realistic" else random_indices
+        idx = gen(1, L, case["k"], seed=1)
+        inputs, fn = (q, k, v), lambda q, k, v: ops.call("sparse_attention", q, k, v, idx, case["D"] ** -0.5)
+    elif case["op"] == "dense_attention":
+        q, k, v = (torch.randn(1, L, case["H"], case["D"]), torch.randn(1, L, case["D"]), torch.randn(1, L, case["D"]))
+        inputs, fn = (q, k, v), lambda q, k, v: ops.call("dense_attention", q, k, v, doc_ids, case["D"] ** -0.5)
+    else:
+        q, k, w = torch.randn(1, L, case["Hi"], case["Di"]), torch.randn(1, L, case["Di"]), torch.randn(1, L, case["Hi"])
+        inputs = (q, k, w)
+
+        def fn(q, k, w):
+            return ops.call("lightning_indexer", q, k, w, doc_ids, case["k"])[1]
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+
+    def fwd_bwd():
+        out = fn(*leaves)
+        out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
+        out.sum().backward()
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = {"fwd_s": _median_time(fwd, repeats), "fwd_bwd_s": _median_time(fwd_bwd, repeats)}
+    result["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    # Error vs the reference on the same inputs (forward), in this process.
+    with torch.no_grad():
+        mine = fn(*inputs)
+        os.environ["WANKA_OPS_BACKEND"] = f"{case['op']}=reference"
+        if case["backend"] != "reference" and estimate_bytes({**case, "backend": "reference"}) < 6 * GIB:
+            ref = fn(*inputs)
+            both = torch.isfinite(ref) & torch.isfinite(mine)
+            result["max_abs_err"] = float((mine - ref)[both].abs().max()) if both.any() else 0.0
+    f, fb = flops(case)
+    result["fwd_gflops"] = f / result["fwd_s"] / 1e9
+    result["fwd_bwd_gflops"] = fb / result["fwd_bwd_s"] / 1e9
+    return result
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_ops_main(quick: bool, out: Path, budget_gib: float = 12.0, repeats: int | None = None) -> int:
+    from wanka.bench.flops import measure_matmul_peak
+
+    repeats = repeats or (2 if quick else 3)
+    peak = measure_matmul_peak()
+    rows, failed = [], 0
+    for case in _cases(quick):
+        est = estimate_bytes(case)
+        row = dict(case)
+        if est > budget_gib * GIB:
+            row["skipped"] = f"estimated {est / GIB:.1f} GiB > budget {budget_gib} GiB"
+        else:
+            cmd = [sys.executable, "-m", "wanka.bench.ops", json.dumps(case), str(repeats)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                row["error"] = (r.stderr.strip().splitlines() or ["failed"])[-1]
+                failed += 1
+            else:
+                row.update(json.loads(r.stdout.strip().splitlines()[-1]))
+                row["fraction_of_peak"] = row["fwd_bwd_gflops"] * 1e9 / peak
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
+            "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick}  # fmt: skip
+    out.write_text(json.dumps({**meta, "cases": rows}, indent=2))
+    print(f"wrote {out}")
+    return 1 if failed else 0
+
+
+def _fmt(r: dict) -> str:
+    name = f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={r.get('k', '-')!s:5s} {r.get('pattern', ''):9s}"
+    if "skipped" in r:
+        return f"{name} skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{name} ERROR {r['error']}"
+    err = f" err {r['max_abs_err']:.1e}" if "max_abs_err" in r else ""
+    return (f"{name} fwd {r['fwd_s'] * 1e3:9.1f} ms  fwd+bwd {r['fwd_bwd_s'] * 1e3:9.1f} ms  "
+            f"peak {r['peak_mb']:8.0f} MB  {r['fwd_bwd_gflops']:6.1f} GFLOP/s{err}")  # fmt: skip
+
+
+if __name__ == "__main__":  # one case, in a fresh process
+    print(json.dumps(run_case(json.loads(sys.argv[1]), int(sys.argv[2]))))
