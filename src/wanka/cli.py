@@ -17,12 +17,12 @@ def _train(args: argparse.Namespace) -> int:
     from wanka.distributed.parallel_dims import ParallelDims
 
     cfg = load_config(args.config, args.set)
-    if cfg.data.path != "builtin":  # fail here, not in N ranks behind torchrun
-        from wanka.data.prepare import read_meta
-
-        read_meta(cfg.data.path)
     rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
-    worker = ["train", *([args.config] if args.config else []), *sum((["--set", s] for s in args.set), [])]
+    worker = [
+        "train",
+        *([args.config] if args.config else []),
+        *sum((["--set", s] for s in args.set), []),
+    ]
     if args.cluster:  # one job across the cluster-in-a-box nodes, torchrun on each
         from wanka.cluster.launch import launch_on_cluster
 
@@ -31,6 +31,10 @@ def _train(args: argparse.Namespace) -> int:
         if args.nproc > 1 or args.nnodes is not None:
             nnodes = int(str(args.nnodes or 1).split(":")[-1])
             ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+            if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
+                from wanka.train.trainer import check_data
+
+                check_data(cfg, args.nproc)
             worker = [
                 "train",
                 *([args.config] if args.config else []),
@@ -102,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
-    t.add_argument("--nproc", type=int, default=1, help="ranks on this node (on each node with --cluster)")
+    t.add_argument(
+        "--nproc", type=int, default=1, help="ranks on this node (on each node with --cluster)"
+    )
     t.add_argument("--cluster", action="store_true", help="span the nodes of `wanka cluster up`")
-    t.add_argument("--cluster-state", default=None, help="cluster state dir (default: the testbed's)")
+    t.add_argument(
+        "--cluster-state", default=None, help="cluster state dir (default: the testbed's)"
+    )
     for flag in RDZV_FLAGS:
         t.add_argument(
             "--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun"
@@ -150,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_net_parser(b)
     bo = b.add_parser("ops", help="attention operators per backend: time, memory, error, FLOP/s")
     bo.add_argument("--quick", action="store_true")
-    bo.add_argument("--budget-gib", type=float, default=12.0, help="skip cases estimated above this")
+    bo.add_argument(
+        "--budget-gib", type=float, default=12.0, help="skip cases estimated above this"
+    )
     bo.add_argument("--out", default="runs/bench/ops.json")
     bo.set_defaults(fn=_bench_ops)
     return p

@@ -76,6 +76,24 @@ def test_rerun_resumes_and_finishes(trained):
         (["--set", "parallel.ep=2", "--nproc", "1"], "parallel.ep=2 must divide"),
         (["--set", "parallel.dp_shard=4", "--nproc", "2"], "does not match the world size"),
         (["--set", 'data.path="/nonexistent/ds"', "--nproc", "2"], "wanka data prepare"),
+        (
+            [
+                "--set",
+                "data.seq_len=4000",
+                "--set",
+                "model.max_seq_len=8192",
+                "--set",
+                "data.val_batches=999999",
+                "--nproc",
+                "2",
+            ],
+            "val",
+        ),
+        (["--set", "train.log_every=0"], "train.log_every"),
+        (
+            ["--set", "checkpoint.load=/nonexistent/ck", "--set", "parallel.ep=1"],
+            "no checkpoint directory",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_error(args, fragment, tmp_path):

@@ -114,6 +114,54 @@ def test_shared_index_layer_equals_layer_recomputing_same_indices():
     assert sum(p.numel() for p in reuse.parameters()) < sum(p.numel() for p in own.parameters())
 
 
+def test_layers_without_indexer_reuse_the_last_indexer_layers_indices(monkeypatch):
+    """In the full model, layer i uses the indices computed by layer i - i % n (and MTP uses
+    the last ones), recomputing nothing."""
+    m = _model(dataclasses.replace(CFG, n_layers=5, index_share_every=2))
+    seen = []
+    orig = Attention.forward
+
+    def spy(self, x, positions, doc_ids, ropes, shared_indices, phase):
+        out, aux = orig(self, x, positions, doc_ids, ropes, shared_indices, phase)
+        seen.append((self.indexer is not None, shared_indices, aux.indices))
+        return out, aux
+
+    monkeypatch.setattr(Attention, "forward", spy)
+    positions, doc_ids = _inputs()
+    m(torch.randint(0, 256, (2, 24)), positions, doc_ids, torch.full((2, 24), -100))
+    assert [own for own, _, _ in seen] == [True, False, True, False, True, False]  # 5 layers + MTP
+    for i in (1, 3):
+        assert seen[i][1] is seen[i - 1][2], f"layer {i} must reuse layer {i - 1}'s indices"
+    assert seen[5][1] is seen[4][2], "the MTP block reuses the last indices"
+    assert not torch.equal(seen[0][2], seen[2][2]), "each indexer layer computes its own"
+
+
+def test_document_result_does_not_depend_on_its_offset_in_the_row():
+    """Sparse attention of a document is the same wherever the packer puts it (top-k ties are
+    broken by distance, not absolute position)."""
+    torch.manual_seed(4)
+    cfg = dataclasses.replace(CFG, index_topk=4)
+    m = _model(cfg)
+    doc = torch.randint(0, 256, (1, 14))
+
+    def run(offset):
+        L = offset + 14
+        tokens = torch.cat([torch.randint(0, 256, (1, offset)), doc], 1)
+        doc_ids = torch.tensor([[0] * offset + [1] * 14])
+        positions = torch.cat([torch.arange(offset), torch.arange(14)])[None]
+        out = {}
+
+        def keep(mod, inputs, output):
+            out["h"] = output[0]
+
+        h = m.layers["2"].register_forward_hook(keep)
+        m(tokens, positions, doc_ids, torch.full((1, L), -100))
+        h.remove()
+        return out["h"][:, offset:]
+
+    torch.testing.assert_close(run(6), run(10), rtol=1e-5, atol=1e-5)
+
+
 def test_index_share_every_builds_indexers_on_every_nth_layer():
     m = _model(dataclasses.replace(CFG, n_layers=5, index_share_every=2))
     has = [blk.attention.indexer is not None for blk in m.layers.values()]

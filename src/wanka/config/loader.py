@@ -121,11 +121,24 @@ def validate(cfg: JobConfig) -> None:
         "model.n_experts": m.n_experts, "model.n_active_experts": m.n_active_experts,
         "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.micro_batch_size": t.micro_batch_size, "train.grad_accum": t.grad_accum,
-        "parallel.ep": cfg.parallel.ep,
+        "parallel.ep": cfg.parallel.ep, "model.n_index_heads": m.n_index_heads,
+        "model.expert_hidden": m.expert_hidden, "model.dense_hidden": m.dense_hidden,
+        "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta,
+        "train.log_every": t.log_every, "data.val_batches": d.val_batches,
+        "checkpoint.keep": cfg.checkpoint.keep,
     }  # fmt: skip
     for path, v in positive.items():
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+    for path, v in {"model.n_dense_layers": m.n_dense_layers, "model.n_shared_experts": m.n_shared_experts,
+                    "model.init_std": m.init_std, "train.lr": t.lr, "train.weight_decay": t.weight_decay,
+                    "train.grad_clip": t.grad_clip}.items():  # fmt: skip
+        if v < 0:
+            raise ConfigError(path, f"must be >= 0, got {v}")
+    if m.max_seq_len > 1 << 21:
+        raise ConfigError(
+            "model.max_seq_len", f"{m.max_seq_len} is beyond 2M positions", "lower it"
+        )
     if m.dim % m.n_heads != 0:
         raise ConfigError("model.n_heads", f"{m.n_heads} heads do not divide model.dim={m.dim}",
                           "choose n_heads dividing dim")  # fmt: skip

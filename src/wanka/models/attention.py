@@ -53,15 +53,14 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, has_indexer: bool, dense_only: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, has_indexer: bool) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.n_heads, cfg.head_dim, cfg.index_topk
-        self.dense_only = dense_only
         self.scale = cfg.head_dim**-0.5
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, 2 * cfg.head_dim, bias=False)  # the single MQA KV head
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.indexer = Indexer(cfg) if has_indexer and not dense_only else None
+        self.indexer = Indexer(cfg) if has_indexer else None
 
     def forward(
         self,
@@ -78,7 +77,7 @@ class Attention(nn.Module):
         q = apply_rope(q, ropes["attn"], positions)
         k = apply_rope(k, ropes["attn"], positions)
 
-        sparse = not self.dense_only and L > self.topk
+        sparse = L > self.topk
         indices, kl_sum = shared_indices, None
         if self.indexer is not None:
             # The indexer never sends gradient into the model: its input is detached.
@@ -93,9 +92,6 @@ class Attention(nn.Module):
                 scores = ops.call("indexer_scores", qi, ki, wi, doc_ids)
                 target = ops.call("attention_probs", q.detach(), k.detach(), doc_ids, self.scale)
                 kl_sum = _kl(target, scores)
-                if sparse:
-                    with torch.no_grad():
-                        indices, _ = ops.call("lightning_indexer", qi, ki, wi, doc_ids, self.topk)
 
         if sparse and phase == "sparse":
             if indices is None:

@@ -33,13 +33,11 @@ class LossParts:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dense_only: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, has_indexer: bool, is_moe: bool) -> None:
         super().__init__()
-        has_indexer = layer_id % cfg.index_share_every == 0
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, has_indexer, dense_only)
+        self.attention = Attention(cfg, has_indexer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        is_moe = layer_id >= cfg.n_dense_layers and not dense_only
         self.moe = MoE(cfg) if is_moe else None
         self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
 
@@ -57,14 +55,15 @@ class Block(nn.Module):
 
 class MTPModule(nn.Module):
     """One multi-token-prediction depth (DeepSeek-V3 style): combine the previous depth's
-    hidden state with the embedding of the next token, run one block, share the head."""
+    hidden state with the embedding of the next token, run one block, share the head. The block
+    attends sparsely with the main model's last top-k indices (no indexer of its own)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = Block(cfg, layer_id=0, dense_only=True)
+        self.block = Block(cfg, has_indexer=False, is_moe=False)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
@@ -73,7 +72,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(
+                    cfg, has_indexer=i % cfg.index_share_every == 0, is_moe=i >= cfg.n_dense_layers
+                )
+                for i in range(cfg.n_layers)
+            }
+        )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
@@ -131,7 +137,7 @@ class Transformer(nn.Module):
             # depth d at position t predicts token t+d+1: shift tokens/labels left by d.
             nxt = self.tok_embeddings(_shift(tokens, d, 0))
             h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
-            h, _, _ = mtp.block(h, positions, doc_ids, ropes, None, phase)
+            h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase)
             s, c = _ce(self._logits(mtp.norm(h)), _mtp_labels(labels, doc_ids, d))
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
 

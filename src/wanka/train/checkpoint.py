@@ -23,6 +23,17 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 MARKER = "COMPLETE"
 
 
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def _diff(saved: str, current: str) -> str:
+    a, b = json.loads(saved), json.loads(current)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in keys[:4])
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
@@ -56,6 +67,10 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         path = step_dir(self.root, step)
+        if self.is_main and path.exists():  # rewriting a step: it is not complete until done again
+            (path / MARKER).unlink(missing_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
         if self.async_save:

@@ -21,39 +21,47 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
             groups["decay"].append(p)
         else:
             groups["no_decay"].append(p)
-    param_groups = [
-        {
-            "params": groups["decay"],
-            "weight_decay": cfg.weight_decay,
-            "lr": cfg.lr,
-            "base_lr": cfg.lr,
-        },
-        {"params": groups["no_decay"], "weight_decay": 0.0, "lr": cfg.lr, "base_lr": cfg.lr},
-        {
-            "params": groups["indexer"],
-            "weight_decay": 0.0,
-            "lr": cfg.indexer_lr,
-            "base_lr": cfg.indexer_lr,
-        },
-    ]
-    param_groups = [g for g in param_groups if g["params"]]
-    return torch.optim.AdamW(param_groups, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    param_groups = [{"params": params, "name": name} for name, params in groups.items() if params]
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    apply_hyperparameters(optimizer, cfg)
+    return optimizer
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to 1, then cosine decay to min_lr_ratio at the last step."""
+    """Linear warm-up to 1, then cosine decay reaching min_lr_ratio at the last step.
+
+    A dense warm-up prefix (only the indexer learns) runs at the full rate after its own linear
+    warm-up; the sparse stage then gets the whole warm-up + cosine schedule for itself."""
+    warm = cfg.dense_warmup_steps if cfg.phase == "sparse" else 0
+    if step < warm:
+        return min((step + 1) / max(cfg.warmup_steps, 1), 1.0)
+    step, total = step - warm, cfg.steps - warm
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    span = max(cfg.steps - cfg.warmup_steps, 1)
+    span = max(total - cfg.warmup_steps - 1, 1)
     progress = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+    """Apply this step's rate to every group; returns the main groups' rate (what is logged)."""
     f = lr_factor(step, cfg)
     for g in optimizer.param_groups:
         g["lr"] = g["base_lr"] * f
-    return cfg.lr * f
+    return optimizer.param_groups[0]["lr"]
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """Make the config win over hyperparameters restored from a checkpoint (a resumed run may
+    change lr, weight decay or betas on purpose; the moments are kept)."""
+    fresh = {
+        "decay": (cfg.lr, cfg.weight_decay),
+        "no_decay": (cfg.lr, 0.0),
+        "indexer": (cfg.indexer_lr, 0.0),
+    }
+    for g in optimizer.param_groups:
+        g["base_lr"], g["weight_decay"] = fresh[g["name"]]
+        g["betas"] = (cfg.beta1, cfg.beta2)
 
 
 @torch.no_grad()

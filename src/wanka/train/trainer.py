@@ -7,6 +7,7 @@ FSDP sums gradients, so N ranks compute exactly the gradient of one process on t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from wanka.distributed.parallelize import parallelize
 from wanka.models.transformer import Transformer
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter, format_summary
-from wanka.train.optim import build_optimizer, clip_grad_norm, set_lr
+from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("wanka.train")
 
@@ -100,8 +101,21 @@ def _dataset_path(cfg: JobConfig, rank: int) -> Path:
     tok = None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer
     if rank == 0:  # one rank prepares; the others wait and then open it
         ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     return ensure_builtin_dataset(Path(cfg.data.cache_dir), tok)
+
+
+def check_data(cfg: JobConfig, world_size: int) -> None:
+    """Open the data as rank 0 would (preparing the built-in corpus if needed), so that a
+    dataset too small for the sequence length or batch fails once, before ranks start."""
+    path = _dataset_path(cfg, rank=0)
+    PackedLoader(
+        TokenDataset(path, "train"), cfg.data.seq_len, cfg.train.micro_batch_size, 0, world_size, 0
+    )
+    validation_batches(
+        TokenDataset(path, "val"), cfg.data.seq_len, cfg.train.micro_batch_size, 1, 0, world_size
+    )
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:
@@ -151,7 +165,9 @@ def train_step(job: Job, step: int) -> dict[str, float]:
 
     sums = torch.zeros(4, dtype=torch.float64)
     amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
-    for b in micro:
+    for i, b in enumerate(micro):
+        # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
+        model.set_requires_gradient_sync(i == len(micro) - 1)
         with torch.autocast(job.device.type, dtype=amp or torch.float32, enabled=amp is not None):
             parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
         kl = parts.kl_sum / n_kl
@@ -247,7 +263,7 @@ def run(cfg: JobConfig) -> dict:
         if cfg.checkpoint.enable and (
             (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
         ):
-            ckpt.save(step + 1, {"loader": job.loader.state_dict()})
+            ckpt.save(step + 1, _train_state(job))
     ckpt.wait()
     val_loss = evaluate(job, cfg.train.steps)
     metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
@@ -255,13 +271,23 @@ def run(cfg: JobConfig) -> dict:
     return _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start)
 
 
+def _train_state(job: Job) -> dict:
+    """What besides model and optimizer a checkpoint holds; the model config guards resumes."""
+    model_cfg = json.dumps(dataclasses.asdict(job.cfg.model), sort_keys=True)
+    return {"loader": job.loader.state_dict(), "model_config": model_cfg}
+
+
 def _maybe_resume(job: Job, ckpt: Checkpointer) -> int:
     load = job.cfg.checkpoint.load
+    if load == "none" and ckpt.latest() is not None:
+        raise ValueError(f"{job.run_dir} already holds checkpoints ({ckpt.latest().name}) and "
+                         "checkpoint.load='none': use a new run.dir, or resume with 'latest'")  # fmt: skip
     path = None if load == "none" else (ckpt.latest() if load == "latest" else Path(load))
     if path is None:
         return 0
-    state = ckpt.load(path, {"loader": job.loader.state_dict()})
+    state = ckpt.load(path, _train_state(job))
     job.loader.load_state_dict(state["loader"])
+    apply_hyperparameters(job.optimizer, job.cfg.train)
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
 

@@ -19,6 +19,17 @@ def indexer_scores(
     return s.masked_fill(~allowed_mask(doc_ids), float("-inf"))
 
 
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores per row; among equal scores the most recent key wins.
+
+    ReLU scores are often exactly 0, so ties are common. Breaking them by distance to the query
+    (not by absolute position, as torch.topk may) keeps a document's result independent of where
+    it sits in a packed row, and gives every backend one definition of the selected set."""
+    L = scores.shape[-1]
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    return (L - 1) - order
+
+
 @register("lightning_indexer", "reference")
 def lightning_indexer(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor, topk: int
@@ -27,7 +38,8 @@ def lightning_indexer(
     their scores [B, L, K] with -inf in empty slots, differentiable w.r.t. q, k, w)."""
     scores = indexer_scores(q, k, w, doc_ids)
     kk = min(topk, scores.shape[-1])
-    top, idx = scores.topk(kk, dim=-1)
+    idx = select_topk(scores.detach(), kk)
+    top = scores.gather(-1, idx)
     valid = torch.isfinite(top)
     idx = torch.where(valid, idx, torch.full_like(idx, -1))
     if kk < topk:  # pad to the configured k so shapes do not depend on L

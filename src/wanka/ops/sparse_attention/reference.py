@@ -18,7 +18,8 @@ def sparse_attention(
 ) -> torch.Tensor:
     """q [B, L, H, D]; k, v [B, L, D]; indices [B, L, K] int64 (-1 = empty slot) -> [B, L, H, D].
 
-    Callers guarantee each query's own position is among its valid indices, so no row is empty.
+    Callers guarantee every valid index is a key the query may see and that each row has at
+    least one valid slot (the indexer always finds the query itself visible).
     """
     k_sel, v_sel = gather_rows(k, indices), gather_rows(v, indices)
     scores = torch.einsum("blhd,blkd->blhk", q, k_sel) * scale
