@@ -76,3 +76,15 @@ def test_resume_is_exact(job_args, tmp_path, world, async_save):
     assert sorted(resumed) == [1, 2, 3, 4, 5]
     assert full == resumed  # exact equality, not approx
     assert torch.tensor(list(full.values())).isfinite().all()
+
+
+def test_four_ranks_dp4_ep2_matches_single_process(job_args, tmp_path):
+    """dp 4 x ep 2: experts split over ep and FSDP-sharded over dp_mod_ep = 2 (2-D sharding)."""
+    spawn(
+        1,
+        train_job,
+        job_args("one", "train.micro_batch_size=4", "train.steps=3", "checkpoint.enable=false"),
+    )
+    spawn(4, train_job, job_args("four", "train.micro_batch_size=1", "train.steps=3", "parallel.ep=2",
+                                 "checkpoint.enable=false"))  # fmt: skip
+    _close(losses(tmp_path / "one"), losses(tmp_path / "four"))

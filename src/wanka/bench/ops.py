@@ -30,7 +30,17 @@ def _cases(quick: bool) -> list[dict]:
         for k in ks:
             for pattern in ("realistic", "random"):
                 for backend in ("reference", "cpu"):
-                    cases.append(dict(op="sparse_attention", backend=backend, L=L, k=k, H=H, D=D, pattern=pattern))
+                    cases.append(
+                        dict(
+                            op="sparse_attention",
+                            backend=backend,
+                            L=L,
+                            k=k,
+                            H=H,
+                            D=D,
+                            pattern=pattern,
+                        )
+                    )
         for backend in ("reference", "cpu"):
             cases.append(dict(op="dense_attention", backend=backend, L=L, H=H, D=D))
             for k in ks:
@@ -76,15 +86,33 @@ def run_case(case: dict, repeats: int) -> dict:
     L = case["L"]
     doc_ids = torch.zeros(1, L, dtype=torch.int32)
     if case["op"] == "sparse_attention":
-        q, k, v = (torch.randn(1, L, case["H"], case["D"]), torch.randn(1, L, case["D"]), torch.randn(1, L, case["D"]))
+        q, k, v = (
+            torch.randn(1, L, case["H"], case["D"]),
+            torch.randn(1, L, case["D"]),
+            torch.randn(1, L, case["D"]),
+        )
         gen = realistic_indices if case["pattern"] == "realistic" else random_indices
         idx = gen(1, L, case["k"], seed=1)
-        inputs, fn = (q, k, v), lambda q, k, v: ops.call("sparse_attention", q, k, v, idx, case["D"] ** -0.5)
+        inputs, fn = (
+            (q, k, v),
+            lambda q, k, v: ops.call("sparse_attention", q, k, v, idx, case["D"] ** -0.5),
+        )
     elif case["op"] == "dense_attention":
-        q, k, v = (torch.randn(1, L, case["H"], case["D"]), torch.randn(1, L, case["D"]), torch.randn(1, L, case["D"]))
-        inputs, fn = (q, k, v), lambda q, k, v: ops.call("dense_attention", q, k, v, doc_ids, case["D"] ** -0.5)
+        q, k, v = (
+            torch.randn(1, L, case["H"], case["D"]),
+            torch.randn(1, L, case["D"]),
+            torch.randn(1, L, case["D"]),
+        )
+        inputs, fn = (
+            (q, k, v),
+            lambda q, k, v: ops.call("dense_attention", q, k, v, doc_ids, case["D"] ** -0.5),
+        )
     else:
-        q, k, w = torch.randn(1, L, case["Hi"], case["Di"]), torch.randn(1, L, case["Di"]), torch.randn(1, L, case["Hi"])
+        q, k, w = (
+            torch.randn(1, L, case["Hi"], case["Di"]),
+            torch.randn(1, L, case["Di"]),
+            torch.randn(1, L, case["Hi"]),
+        )
         inputs = (q, k, w)
 
         def fn(q, k, w):
@@ -108,7 +136,10 @@ def run_case(case: dict, repeats: int) -> dict:
     with torch.no_grad():
         mine = fn(*inputs)
         os.environ["WANKA_OPS_BACKEND"] = f"{case['op']}=reference"
-        if case["backend"] != "reference" and estimate_bytes({**case, "backend": "reference"}) < 6 * GIB:
+        if (
+            case["backend"] != "reference"
+            and estimate_bytes({**case, "backend": "reference"}) < 6 * GIB
+        ):
             ref = fn(*inputs)
             both = torch.isfinite(ref) & torch.isfinite(mine)
             result["max_abs_err"] = float((mine - ref)[both].abs().max()) if both.any() else 0.0
@@ -128,7 +159,9 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_ops_main(quick: bool, out: Path, budget_gib: float = 12.0, repeats: int | None = None) -> int:
+def bench_ops_main(
+    quick: bool, out: Path, budget_gib: float = 12.0, repeats: int | None = None
+) -> int:
     from wanka.bench.flops import measure_matmul_peak
 
     repeats = repeats or (2 if quick else 3)

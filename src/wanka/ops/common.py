@@ -10,8 +10,10 @@ POISON_ENV = "WANKA_OPS_POISON"
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Uninitialised output buffer; NaN-filled when WANKA_OPS_POISON=1 so that tests catch any
-    element a kernel forgets to write (torch.empty may happen to hold plausible values)."""
+    """Uninitialised output buffer; poisoned when WANKA_OPS_POISON=1 (NaN, or the integer
+    minimum for index buffers) so that tests catch any element a kernel forgets to write
+    (torch.empty may happen to hold plausible values)."""
     if os.environ.get(POISON_ENV) == "1":
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)

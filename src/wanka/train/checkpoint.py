@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 MARKER = "COMPLETE"
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+def _last_line(e: BaseException) -> str:
+    """DCP wraps per-rank tracebacks; their last line names the actual problem."""
+    text = [t for t in str(e).strip().splitlines() if t.strip()]
+    return text[-1].strip()[:200] if text else type(e).__name__
 
 
 def _diff(saved: str, current: str) -> str:
@@ -103,13 +105,24 @@ class Checkpointer:
         return done[-1] if done else None
 
     def load(self, path: Path, train_template: dict[str, Any]) -> dict[str, Any]:
-        """Restore model + optimizer in place; return the saved train state."""
+        """Restore model + optimizer in place; return the saved train state. The template must
+        hold every key the saved train state has (its values are replaced)."""
+        if not path.is_dir():
+            raise ValueError(f"no checkpoint directory {path}: fix checkpoint.load")
         if not (path / MARKER).is_file():
             raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): "
                              "pick an earlier one or set checkpoint.load='none'")  # fmt: skip
         state = self._state()
         state["train"] = {"step": 0, "rng": torch.get_rng_state(), **train_template}
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # missing keys / shape mismatches
+            raise ValueError(f"checkpoint {path} does not fit this model ({_last_line(e)}); "
+                             "use the model config it was saved with, or a new run.dir") from None  # fmt: skip
+        saved, now = state["train"].get("model_config"), train_template.get("model_config")
+        if saved != now:
+            raise ValueError(f"checkpoint {path} was saved with another [model] config "
+                             f"({_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])  # fmt: skip
         torch.set_rng_state(state["train"]["rng"])
