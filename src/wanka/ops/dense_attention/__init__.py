@@ -1,1 +1,1 @@
-from wanka.ops.dense_attention import reference  # noqa: F401
+from wanka.ops.dense_attention import cpu, reference  # noqa: F401

@@ -1,1 +1,1 @@
-from wanka.ops.lightning_indexer import reference  # noqa: F401
+from wanka.ops.lightning_indexer import cpu, reference  # noqa: F401
