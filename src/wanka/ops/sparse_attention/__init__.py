@@ -1,1 +1,1 @@
-from wanka.ops.sparse_attention import reference  # noqa: F401
+from wanka.ops.sparse_attention import cpu, reference  # noqa: F401

@@ -1,0 +1,161 @@
+"""Sparse-attention CPU backend vs the reference: time and peak memory, forward and fwd+bwd.
+
+Each case runs in a fresh subprocess (so peak RSS is its own): the child loads cached q/k/v
+shapes' indices from disk (generating them would raise the peak before the baseline), records
+ru_maxrss, runs one warm-up fwd+bwd, then `--repeats` forward passes and fwd+bwd passes, and
+reports medians and the peak-RSS growth over the baseline (inputs and indices excluded).
+
+    .venv/bin/python benchmarks/sparse_attention_cpu.py                  # the default table
+    .venv/bin/python benchmarks/sparse_attention_cpu.py --L 8192 32768 --impls cpu
+    .venv/bin/python benchmarks/sparse_attention_cpu.py --threads 1
+
+Indices: `random` = wanka.ops.index_patterns.random_indices (uniform), `realistic` =
+realistic_indices (3K/4 local window + K/8 shared heavy hitters + ~K/8 random; see there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CACHE = Path(tempfile.gettempdir()) / "wanka_sparse_attention_bench"
+
+
+def _indices_path(pattern: str, L: int, K: int) -> Path:
+    return CACHE / f"{pattern}_L{L}_K{K}.pt"
+
+
+def _ensure_indices(pattern: str, L: int, K: int) -> Path:
+    from wanka.ops.index_patterns import random_indices, realistic_indices
+
+    path = _indices_path(pattern, L, K)
+    if not path.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        t = time.perf_counter()
+        gen = random_indices if pattern == "random" else realistic_indices
+        torch.save(gen(1, L, K, seed=0), path)
+        print(f"# generated {path.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return path
+
+
+def _child(args) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from wanka.ops.sparse_attention import cpu, reference
+
+    fn = {"reference": reference.sparse_attention, "cpu": cpu.sparse_attention}[args.impl]
+    idx = torch.load(_indices_path(args.pattern, args.L, args.K))
+    g = torch.Generator().manual_seed(0)
+    B, L, H, D = 1, args.L, args.H, args.D
+    q = torch.randn(B, L, H, D, generator=g).requires_grad_()
+    k = torch.randn(B, L, D, generator=g).requires_grad_()
+    v = torch.randn(B, L, D, generator=g).requires_grad_()
+    dout = torch.randn(B, L, H, D, generator=g)
+    scale = D**-0.5
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+    def fwd():
+        return fn(q, k, v, idx, scale)
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(q, k, v, idx, scale), (q, k, v), dout)
+
+    fwd_bwd()  # warm-up
+    times = {"fwd": [], "fwd_bwd": [], "fwd_cpu": [], "fwd_bwd_cpu": []}
+    for _ in range(args.repeats):
+        for name, f in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+            t, c = time.perf_counter(), time.process_time()
+            out = f()
+            times[name].append(time.perf_counter() - t)
+            times[name + "_cpu"].append(time.process_time() - c)
+            del out
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({
+        "fwd_s": statistics.median(times["fwd"]),
+        "fwd_bwd_s": statistics.median(times["fwd_bwd"]),
+        "fwd_cpu_s": statistics.median(times["fwd_cpu"]),
+        "fwd_bwd_cpu_s": statistics.median(times["fwd_bwd_cpu"]),
+        "peak_mib": (peak - base) / 1024,
+        "threads": torch.get_num_threads(),
+    }))  # fmt: skip
+
+
+def _run_case(impl, pattern, L, K, H, D, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--impl", impl, "--pattern", pattern,
+           "--L", str(L), "--K", str(K), "--H", str(H), "--D", str(D),
+           "--repeats", str(args.repeats), "--threads", str(args.threads)]  # fmt: skip
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("WANKA_OPS_POISON", None)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="cpu")
+    p.add_argument("--pattern", default="realistic")
+    p.add_argument("--L", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--K", type=int, default=1024)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--heads", default="16x64,4x32", help="HxD list for the table")
+    p.add_argument("--patterns", default="realistic,random")
+    p.add_argument("--impls", default="reference,cpu")
+    p.add_argument("--ref-max-L", type=int, default=8192, help="skip the reference above this L")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = p.parse_args()
+    if args.child:
+        args.L = args.L[0]
+        return _child(args)
+
+    heads = [tuple(int(x) for x in hd.split("x")) for hd in args.heads.split(",")]
+    patterns, impls = args.patterns.split(","), args.impls.split(",")
+    print(f"# K={args.K} B=1 fp32, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"median of {args.repeats} after 1 warm-up; peak = RSS growth over inputs")  # fmt: skip
+    print("# wall = median wall-clock s; cpu = median process CPU s (all threads; on a shared,")
+    print("# oversubscribed machine it is the steadier number, best with --threads 1)")
+    hdr = f"{'impl':<10}{'pattern':<10}{'L':>6}{'H':>4}{'D':>5}{'fwd wall':>9}{'fwd cpu':>9}"
+    hdr += f"{'f+b wall':>9}{'f+b cpu':>9}{'peak MiB':>9}{'x wall':>8}{'x cpu':>7}{'x mem':>7}"
+    print(hdr)
+    for L in args.L:
+        for H, D in heads:
+            for pattern in patterns:
+                _ensure_indices(pattern, L, args.K)
+                ref = None
+                for impl in impls:
+                    if impl == "reference" and L > args.ref_max_L:
+                        continue
+                    r = _run_case(impl, pattern, L, args.K, H, D, args)
+                    if "error" in r:
+                        print(f"{impl:<10}{pattern:<10}{L:>6}{H:>4}{D:>5}  error: {r['error']}")
+                        continue
+                    if impl == "reference":
+                        ref = r
+                    sp = spc = mem = ""
+                    if ref is not None and impl != "reference":
+                        sp = f"{ref['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}"
+                        spc = f"{ref['fwd_bwd_cpu_s'] / r['fwd_bwd_cpu_s']:.2f}"
+                        mem = f"{ref['peak_mib'] / max(r['peak_mib'], 1.0):.0f}"
+                    print(f"{impl:<10}{pattern:<10}{L:>6}{H:>4}{D:>5}{r['fwd_s']:>9.2f}"
+                          f"{r['fwd_cpu_s']:>9.2f}{r['fwd_bwd_s']:>9.2f}{r['fwd_bwd_cpu_s']:>9.2f}"
+                          f"{r['peak_mib']:>9.0f}{sp:>8}{spc:>7}{mem:>7}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
