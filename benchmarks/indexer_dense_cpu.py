@@ -76,18 +76,18 @@ def cases(only: str | None, big_indexer: bool, repeats: int) -> list[dict]:
     if only in (None, "dense"):
         for H, D in [(16, 64), (4, 32)]:
             for docs in (1, 4):
-                for impl in ("reference", "cpu_sdpa"):
+                for impl in ("reference", "cpu"):
                     out.append(dict(op="dense", impl=impl, L=4096, H=H, D=D, docs=docs,
                                     mode="fwd+bwd", repeats=repeats))  # fmt: skip
     if only in (None, "indexer"):
         for topk in (1024, 2048):
             for mode in ("fwd", "fwd+bwd"):
-                for impl in ("reference", "cpu_chunked"):
+                for impl in ("reference", "cpu"):
                     out.append(dict(op="indexer", impl=impl, L=8192, H=4, D=32, topk=topk,
                                     docs=1, mode=mode, repeats=repeats))  # fmt: skip
         if big_indexer:  # the reference would need a 16 GiB [L, 64, L] tensor: ours only
             for mode in ("fwd", "fwd+bwd"):
-                out.append(dict(op="indexer", impl="cpu_chunked", L=8192, H=64, D=128,
+                out.append(dict(op="indexer", impl="cpu", L=8192, H=64, D=128,
                                 topk=2048, docs=1, mode=mode, repeats=1))  # fmt: skip
     return out
 

@@ -185,8 +185,8 @@ def test_indexer_never_scores_full_matrix(monkeypatch, bwd_path):
 
 
 def test_registry_picks_cpu_backends_and_env_forces_reference(monkeypatch):
-    assert ops.select("lightning_indexer", "cpu").name == "cpu_chunked"
-    assert ops.select("dense_attention", "cpu").name == "cpu_sdpa"
+    assert ops.select("lightning_indexer", "cpu").name == "cpu"
+    assert ops.select("dense_attention", "cpu").name == "cpu"
     monkeypatch.setenv("WANKA_OPS_BACKEND", "lightning_indexer=reference,dense_attention=reference")
     assert ops.select("lightning_indexer", "cpu").name == "reference"
     assert ops.select("dense_attention", "cpu").name == "reference"

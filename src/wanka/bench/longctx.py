@@ -2,8 +2,7 @@
 forward+backward step time with index_share_every = 1, 2, 4.
 
 The indexer's share of a step is measured, not modelled: the same model step is timed with the
-lightning indexer's forward and backward wrapped in timers (torch.autograd.Function hooks are not
-needed: the op's forward is timed directly and its backward by a hook on its output's grad_fn).
+indexer's ops wrapped in timers (forward directly, backward by hooks on its output).
 """
 
 from __future__ import annotations
@@ -64,37 +63,41 @@ def crossover(k: int, lengths: list[int], H: int = 16, D: int = 64, repeats: int
 
 
 class _IndexerTimer:
-    """Wrap the selected lightning_indexer backend to time its forward and backward."""
+    """Time everything the indexer costs in a step: the lightning_indexer op (forward, and its
+    backward through a hook pair on its output) and the KL target (attention_probs)."""
+
+    OPS = ("lightning_indexer", "indexer_scores", "attention_probs")
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._orig = None
+        self._saved: dict[str, registry.Backend] = {}
 
     def __enter__(self):
-        b = registry.select("lightning_indexer", "cpu")
-        self._key, self._orig = b.name, b
-        timer = self
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            idx, scores = b.fn(*args, **kwargs)
-            timer.seconds += time.perf_counter() - t0
-            if scores.requires_grad:
-                start = {}
-                scores.register_hook(lambda g: start.setdefault("t", time.perf_counter()) and None)
-                scores.grad_fn.register_hook(
-                    lambda *a: timer._add(time.perf_counter() - start.get("t", time.perf_counter()))
-                )
-            return idx, scores
-
-        registry._REGISTRY["lightning_indexer"][b.name] = dataclasses.replace(b, fn=timed)
+        for op in self.OPS:
+            b = registry.select(op, "cpu")
+            self._saved[op] = b
+            registry._REGISTRY[op][b.name] = dataclasses.replace(b, fn=partial(self._timed, b.fn))
         return self
+
+    def _timed(self, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        scores = out[1] if isinstance(out, tuple) else out
+        if scores.requires_grad:  # backward: from the grad reaching the output to its grad_fn done
+            start: dict[str, float] = {}
+            scores.register_hook(lambda g: start.__setitem__("t", time.perf_counter()))
+            scores.grad_fn.register_hook(
+                lambda *a: self._add(time.perf_counter() - start.get("t", time.perf_counter()))
+            )
+        return out
 
     def _add(self, dt: float) -> None:
         self.seconds += dt
 
     def __exit__(self, *exc) -> None:
-        registry._REGISTRY["lightning_indexer"][self._key] = self._orig
+        for op, b in self._saved.items():
+            registry._REGISTRY[op][b.name] = b
 
 
 def model_step_times(

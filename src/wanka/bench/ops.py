@@ -183,12 +183,41 @@ def bench_ops_main(
                 row["fraction_of_peak"] = row["fwd_bwd_gflops"] * 1e9 / peak
         rows.append(row)
         print(_fmt(row), flush=True)
+    longctx = _long_context(quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
             "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick}  # fmt: skip
-    out.write_text(json.dumps({**meta, "cases": rows}, indent=2))
+    out.write_text(json.dumps({**meta, "cases": rows, **longctx}, indent=2))
     print(f"wrote {out}")
     return 1 if failed else 0
+
+
+def _long_context(quick: bool) -> dict:
+    """Sparse-vs-dense crossover per k, and the model step with index_share_every = 1, 2, 4."""
+    import dataclasses
+
+    from wanka.bench.longctx import crossover, model_step_times
+    from wanka.models.flavors import FLAVORS
+
+    lengths = [1024, 2048, 4096, 8192] + ([] if quick else [16384])
+    cross = [crossover(k, lengths) for k in (1024, 2048)]
+    for c in cross:
+        cells = "  ".join(f"L={r['L']}: {r['sparse_s']:.2f}/{r['dense_s']:.2f}s" for r in c["rows"])
+        print(
+            f"crossover k={c['k']}: sparse/dense fwd+bwd {cells} -> sparse wins from L={c['crossover_L']}"
+        )
+    # `tiny` widened to a realistic indexer (4 heads x 32) with k = 512, 4 layers, so that a
+    # 2-core CPU runs 8k-16k-token steps in seconds.
+    base = dataclasses.replace(FLAVORS["tiny"], n_layers=4, index_topk=512, n_index_heads=4,
+                               index_head_dim=32, max_seq_len=32768)  # fmt: skip
+    model = model_step_times(base, [8192] if quick else [8192, 16384], [1, 2, 4])
+    for r in model:
+        print(
+            f"model L={r['L']} share={r['index_share_every']}: step {r['step_s']:.2f} s, "
+            f"indexer {r['indexer_s']:.2f} s ({r['indexer_share']:.0%}, {r['indexer_layers']} layers)"
+        )
+    return {"crossover": cross, "model_long_context": model,
+            "model_long_context_config": dataclasses.asdict(base)}  # fmt: skip
 
 
 def _fmt(r: dict) -> str:

@@ -73,7 +73,7 @@ def check_doc_ids(doc_ids: torch.Tensor) -> None:
         raise ValueError("doc_ids rows must be non-decreasing (contiguous packed documents)")
 
 
-@register("dense_attention", "cpu_sdpa", device_types=("cpu",), priority=10)
+@register("dense_attention", "cpu", device_types=("cpu",), priority=10)
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -229,7 +229,7 @@ def _bwd_sparse(q, k, w, idx_all, g_all, valid_all, needs, dq, dk, dw) -> None:
                 dk[b].index_add_(0, ic.reshape(-1), dks.reshape(-1, Di))
 
 
-@register("lightning_indexer", "cpu_chunked", device_types=("cpu",), priority=10)
+@register("lightning_indexer", "cpu", device_types=("cpu",), priority=10)
 def lightning_indexer(
     q: torch.Tensor,
     k: torch.Tensor,
