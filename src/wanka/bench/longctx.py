@@ -19,7 +19,8 @@ from wanka.models.transformer import Transformer
 from wanka.ops import registry
 
 
-def _median(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
+    """Median wall time of `repeats` calls after one warm-up call."""
     fn()
     ts = []
     for _ in range(repeats):
@@ -55,7 +56,11 @@ def crossover(k: int, lengths: list[int], H: int = 16, D: int = 64, repeats: int
         sparse = partial(_fwd_bwd, "sparse_attention", q, kv[0], kv[1], idx, D**-0.5)
         dense = partial(_fwd_bwd, "dense_attention", q, kv[0], kv[1], doc, D**-0.5)
         rows.append(
-            {"L": L, "sparse_s": _median(sparse, repeats), "dense_s": _median(dense, repeats)}
+            {
+                "L": L,
+                "sparse_s": median_time(sparse, repeats),
+                "dense_s": median_time(dense, repeats),
+            }
         )
     cross = next((r["L"] for r in rows if r["sparse_s"] < r["dense_s"]), None)
     return {"k": k, "rows": rows, "crossover_L": cross,

@@ -14,7 +14,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 GIB = 1024**3
@@ -79,6 +78,7 @@ def run_case(case: dict, repeats: int) -> dict:
     import torch
 
     from wanka import ops
+    from wanka.bench.longctx import median_time
     from wanka.ops.index_patterns import random_indices, realistic_indices
 
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def run_case(case: dict, repeats: int) -> dict:
         out.sum().backward()
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = {"fwd_s": _median_time(fwd, repeats), "fwd_bwd_s": _median_time(fwd_bwd, repeats)}
+    result = {"fwd_s": median_time(fwd, repeats), "fwd_bwd_s": median_time(fwd_bwd, repeats)}
     result["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     # Error vs the reference on the same inputs (forward), in this process.
     with torch.no_grad():
@@ -147,16 +147,6 @@ def run_case(case: dict, repeats: int) -> dict:
     result["fwd_gflops"] = f / result["fwd_s"] / 1e9
     result["fwd_bwd_gflops"] = fb / result["fwd_bwd_s"] / 1e9
     return result
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def bench_ops_main(
