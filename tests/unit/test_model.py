@@ -10,7 +10,7 @@ from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention, make_ropes
 from wanka.models.moe import MoE
 from wanka.models.stats import count_params, memory_estimate
-from wanka.models.transformer import Transformer, _mtp_labels
+from wanka.models.transformer import Transformer, mtp_labels
 
 CFG = ModelConfig(dim=64, n_layers=3, n_heads=4, head_dim=16, n_index_heads=2, index_head_dim=8,
                   index_topk=8, n_experts=4, n_active_experts=2, expert_hidden=32, dense_hidden=64,
@@ -211,10 +211,10 @@ def test_moe_matches_dense_loop_and_bias_steers_selection():
     assert (idx == 1).any(-1).all(), "a large bias must force selection of expert 1"
 
 
-def test_mtp_labels_stay_inside_documents():
+def testmtp_labels_stay_inside_documents():
     labels = torch.tensor([[1, 2, -100, 4, 5, 6]])
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    assert _mtp_labels(labels, doc_ids, 1).tolist() == [[2, -100, -100, 5, 6, -100]]
+    assert mtp_labels(labels, doc_ids, 1).tolist() == [[2, -100, -100, 5, 6, -100]]
 
 
 def test_dense_warmup_trains_only_the_indexer():

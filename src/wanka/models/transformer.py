@@ -138,7 +138,7 @@ class Transformer(nn.Module):
             nxt = self.tok_embeddings(_shift(tokens, d, 0))
             h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
             h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase)
-            s, c = _ce(self._logits(mtp.norm(h)), _mtp_labels(labels, doc_ids, d))
+            s, c = _ce(self._logits(mtp.norm(h)), mtp_labels(labels, doc_ids, d))
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
 
         balance = torch.stack(balances).mean() if balances else h.new_zeros(())
@@ -157,7 +157,7 @@ def _shift(x: torch.Tensor, d: int, fill: int) -> torch.Tensor:
     return F.pad(x[:, d:], (0, d), value=fill)
 
 
-def _mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor, d: int) -> torch.Tensor:
+def mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor, d: int) -> torch.Tensor:
     """Target of depth d at t is labels[t+d], valid only inside the same document."""
     lab = _shift(labels, d, -100)
     same_doc = _shift(doc_ids, d, -1) == doc_ids

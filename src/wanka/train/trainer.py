@@ -30,7 +30,7 @@ from wanka.device import (
 )
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
-from wanka.models.transformer import Transformer
+from wanka.models.transformer import Transformer, mtp_labels
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
@@ -138,21 +138,15 @@ def phase_at(cfg: JobConfig, step: int) -> str:
     return "sparse"
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    return Batch(
-        *(
-            t.to(device, non_blocking=True)
-            for t in (batch.tokens, batch.labels, batch.positions, batch.doc_ids)
-        )
-    )
-
-
 def train_step(job: Job, step: int) -> dict[str, float]:
     cfg, model = job.cfg, job.model
     t0 = time.perf_counter()
     phase = phase_at(cfg, step)
     lr = set_lr(job.optimizer, step, cfg.train)
-    micro = [_to(job.loader.next_batch(), job.device) for _ in range(cfg.train.grad_accum)]
+    micro = [
+        job.loader.next_batch().to(job.device, non_blocking=True)
+        for _ in range(cfg.train.grad_accum)
+    ]
 
     # Global target counts first, so each micro-batch's loss is scaled to the global mean.
     counts = torch.tensor([sum(int((b.labels != -100).sum()) for b in micro),
@@ -197,11 +191,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
 
 
 def _mtp_targets(b: Batch, depth: int) -> int:
-    from wanka.models.transformer import _mtp_labels
-
-    return sum(
-        int((_mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1)
-    )
+    return sum(int((mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1))
 
 
 @torch.no_grad()
@@ -223,7 +213,7 @@ def evaluate(job: Job, step: int) -> float:
     job.model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
     for b in job.val:
-        b = _to(b, job.device)
+        b = b.to(job.device, non_blocking=True)
         parts = job.model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase_at(job.cfg, step))
         sums += torch.stack([parts.lm_sum.double().cpu(), parts.lm_count.double().cpu()])
     for m in job.model.moe_layers():
