@@ -41,7 +41,7 @@ def _train(args: argparse.Namespace) -> int:
                 *sum((["--set", s] for s in args.set), []),
             ]
             rc = launch(args.nproc, rdzv, worker)
-            if rc != 0:
+            if rc not in (0, 2):  # 2: a rank already printed the one-line reason
                 print(
                     f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log",
                     file=sys.stderr,

@@ -59,6 +59,17 @@ def test_report_draws_png(trained):
     assert (run_dir / "loss_curve.png").is_file()
 
 
+def test_error_inside_ranks_is_one_line(trained):
+    """An error that only the ranks can see (here: resuming a different model) ends as one line
+    from rank 0 and exit code 2, not torchrun's failure report."""
+    run_dir, _ = trained
+    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=6",
+              "--set", "model.index_topk=32", "--set", f'run.dir="{run_dir}"')  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "model.index_topk: saved 64, now 32" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_rerun_resumes_and_finishes(trained):
     """Running the same job again finds the final checkpoint and does no extra steps."""
     run_dir, _ = trained

@@ -1,13 +1,12 @@
-"""Start ranks through torchrun. `wanka train CONFIG --nproc N` re-executes itself as
-`python -m torch.distributed.run ... -m wanka.cli train ...`; torchrun's multi-node rendezvous
-flags pass through unchanged. A single local rank runs in-process (no launcher overhead)."""
+"""Start ranks through torchrun. `wanka train CONFIG --nproc N` runs torchrun's launcher (in this
+process) with `-m wanka.cli train ...` as the worker; torchrun's multi-node rendezvous flags pass
+through unchanged. A single local rank runs in-process (no launcher overhead)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import subprocess
-import sys
 
 # torchrun flags we forward as given (multi-node rendezvous and friends).
 RDZV_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
@@ -37,11 +36,11 @@ def single_process_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def torchrun_command(
+def torchrun_args(
     nproc: int, rdzv: dict[str, str | int | None], worker_args: list[str]
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--local-ranks-filter=0"]  # fmt: skip
+    """torchrun's own argument list (what follows `torchrun` on a command line)."""
+    cmd = [f"--nproc-per-node={nproc}", "--local-ranks-filter=0"]
     given = {k: v for k, v in rdzv.items() if v is not None}
     if "nnodes" not in given and "rdzv_endpoint" not in given:
         given.setdefault("master_port", free_port())  # local job: avoid clashing on 29500
@@ -51,5 +50,18 @@ def torchrun_command(
 
 
 def launch(nproc: int, rdzv: dict[str, str | int | None], worker_args: list[str]) -> int:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.call(torchrun_command(nproc, rdzv, worker_args), env=env)
+    """Run torchrun in this process and return the ranks' exit code (the first non-zero one).
+
+    In-process rather than a subprocess so that a failing rank ends with its own one-line
+    message (rank 0's output is shown) instead of torchrun's multi-screen failure report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(torchrun_args(nproc, rdzv, worker_args)))
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c > 0), 1)
+    return 0

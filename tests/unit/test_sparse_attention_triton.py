@@ -1,0 +1,99 @@
+"""Triton sparse-attention backend vs the reference, run on CPU tensors through the Triton
+interpreter (TRITON_INTERPRET=1, set before triton is imported): outputs and q/k/v
+gradients with random indices over 2 documents, -1 padding anywhere in a row (including a
+whole tile of it), several slot tiles per row, non-contiguous inputs, poisoned outputs.
+
+Tolerances: rtol = atol = 1e-3 in float32 (both sides float32, different summation order).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from wanka import ops  # noqa: E402
+from wanka.ops.index_patterns import random_indices  # noqa: E402
+from wanka.ops.sparse_attention import reference  # noqa: E402
+from wanka.ops.sparse_attention import triton as tb  # noqa: E402
+
+TOL = {"rtol": 1e-3, "atol": 1e-3}
+
+
+def _doc_ids(B, L):
+    d = torch.zeros(B, L, dtype=torch.long)
+    d[:, L // 2 :] = 1
+    return d
+
+
+def _shuffle_slots(idx, seed):
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.rand(idx.shape, generator=g).argsort(-1)
+    return idx.gather(-1, perm)
+
+
+def _run(q, k, v, idx, scale, block_k=None):
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+    out = tb._SparseAttention.apply(q, k, v, idx, scale, block_k)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    qr, kr, vr = (x.detach().requires_grad_(True) for x in (q, k, v))
+    ref = reference.sparse_attention(qr, kr, vr, idx, scale)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), g)
+    torch.testing.assert_close(out, ref, **TOL)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert torch.isfinite(a).all(), f"d{name} has non-finite values"
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+def _inputs(B, L, H, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, L, H, D, generator=g),
+        torch.randn(B, L, D, generator=g),
+        torch.randn(B, L, D, generator=g),
+    )
+
+
+CASES = [  # B, L, H, D, K, block_k
+    (2, 37, 2, 16, 8, None),
+    (2, 64, 4, 32, 24, None),  # K > visible keys early in each document: -1 slots
+    (2, 37, 4, 16, 24, 16),  # two slot tiles per row
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("WANKA_OPS_POISON", "1")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[1]}-H{c[2]}-D{c[3]}-K{c[4]}")
+def test_matches_reference(case):
+    B, L, H, D, K, block_k = case
+    idx = _shuffle_slots(random_indices(B, L, K, doc_ids=_doc_ids(B, L), seed=1), seed=2)
+    assert (idx < 0).any()
+    q, k, v = _inputs(B, L, H, D)
+    _run(q, k, v, idx, D**-0.5, block_k)
+
+
+def test_empty_tile_and_strided_inputs():
+    """A whole leading tile of -1 slots, and non-contiguous q/k/v."""
+    B, L, H, D, K = 1, 24, 2, 16, 8
+    idx = random_indices(B, L, K, doc_ids=_doc_ids(B, L), seed=3)
+    idx = torch.cat([torch.full((B, L, 16), -1, dtype=torch.long), idx], dim=-1)
+    q, k, v = _inputs(B, L, H, D, seed=4)
+    q = q.transpose(2, 3).contiguous().transpose(2, 3)  # strides differ from contiguous
+    kv = torch.randn(B, L, 2 * D, generator=torch.Generator().manual_seed(5))
+    k, v = kv[..., :D], kv[..., D:]
+    assert not q.is_contiguous() and not k.is_contiguous()
+    _run(q, k, v, idx, 0.3, block_k=16)
+
+
+def test_registered_for_cuda():
+    b = ops.registry.backends("sparse_attention")["triton"]
+    assert b.device_types == ("cuda",) and b.available()
+    assert ops.registry.select("sparse_attention", "cpu").name != "triton"
