@@ -36,22 +36,6 @@ except ImportError:
 if HAVE_TRITON:
 
     @triton.jit
-    def _load_kv_tile(IDX, Kp, Vp, idx_base, k0, KSEL, kv_k_base, kv_v_base, skl, skd, svl,
-                      svd, offs_k, offs_d, dm):  # fmt: skip
-        kk = k0 + offs_k
-        idx = tl.load(IDX + idx_base + kk, mask=kk < KSEL, other=-1)
-        valid = idx >= 0
-        safe = tl.where(valid, idx, 0).to(tl.int64)
-        m2 = valid[:, None] & dm[None, :]
-        kt = tl.load(
-            Kp + kv_k_base + safe[:, None] * skl + offs_d[None, :] * skd, mask=m2, other=0.0
-        )
-        vt = tl.load(
-            Vp + kv_v_base + safe[:, None] * svl + offs_d[None, :] * svd, mask=m2, other=0.0
-        )
-        return safe, valid, kt.to(tl.float32), vt.to(tl.float32)
-
-    @triton.jit
     def _fwd_kernel(
         Q, Kp, Vp, IDX, OUT, LSE, scale,
         sqb, sql, sqh, sqd, skb, skl, skd, svb, svl, svd, sib, sil,
@@ -80,10 +64,16 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         idx_base = b * sib + t * sil
         for k0 in range(0, KSEL, BLOCK_K):
-            safe, valid, kt, vt = _load_kv_tile(
-                IDX, Kp, Vp, idx_base, k0, KSEL, b * skb, b * svb, skl, skd, svl, svd,
-                offs_k, offs_d, dm,
-            )  # fmt: skip
+            # gather the tile's selected K/V rows; -1 slots (and slots past K) are masked
+            kk = k0 + offs_k
+            idx = tl.load(IDX + idx_base + kk, mask=kk < KSEL, other=-1)
+            valid = idx >= 0
+            safe = tl.where(valid, idx, 0).to(tl.int64)
+            m2 = valid[:, None] & dm[None, :]
+            kp = Kp + b * skb + safe[:, None] * skl + offs_d[None, :] * skd
+            vp = Vp + b * svb + safe[:, None] * svl + offs_d[None, :] * svd
+            kt = tl.load(kp, mask=m2, other=0.0).to(tl.float32)  # [BK, BD]
+            vt = tl.load(vp, mask=m2, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [BH, BK]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -136,10 +126,16 @@ if HAVE_TRITON:
         dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         idx_base = b * sib + t * sil
         for k0 in range(0, KSEL, BLOCK_K):
-            safe, valid, kt, vt = _load_kv_tile(
-                IDX, Kp, Vp, idx_base, k0, KSEL, b * skb, b * svb, skl, skd, svl, svd,
-                offs_k, offs_d, dm,
-            )  # fmt: skip
+            # gather the tile's selected K/V rows; -1 slots (and slots past K) are masked
+            kk = k0 + offs_k
+            idx = tl.load(IDX + idx_base + kk, mask=kk < KSEL, other=-1)
+            valid = idx >= 0
+            safe = tl.where(valid, idx, 0).to(tl.int64)
+            m2 = valid[:, None] & dm[None, :]
+            kp = Kp + b * skb + safe[:, None] * skl + offs_d[None, :] * skd
+            vp = Vp + b * svb + safe[:, None] * svl + offs_d[None, :] * svd
+            kt = tl.load(kp, mask=m2, other=0.0).to(tl.float32)  # [BK, BD]
+            vt = tl.load(vp, mask=m2, other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(kt), input_precision=PREC)  # [BH, BK]
             p = tl.exp(s - lse[:, None])
             p = tl.where(hm[:, None] & valid[None, :], p, 0.0)
