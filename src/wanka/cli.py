@@ -4,6 +4,7 @@ come out as one line naming what is wrong and how to fix it (exit code 2)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -174,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, ParallelError, ValueError, FileNotFoundError) as e:
+        logging.getLogger("wanka").error("%s", e)  # into RUN_DIR/logs/rankN.log once set up
         print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        # Only rank 0's output reaches the console: keep every rank's traceback in its log.
+        logging.getLogger("wanka").exception("%s failed", args.cmd)
+        raise
     except KeyboardInterrupt:
         return 130
 
