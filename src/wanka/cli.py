@@ -167,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_to_files(msg: str, exc_info=None) -> None:
+    """Write to the rank's RUN_DIR/logs file (if the job got that far), not to the console."""
+    log = logging.getLogger("wanka")
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, msg, None, exc_info)
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from wanka.config import ConfigError
@@ -175,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, ParallelError, ValueError, FileNotFoundError) as e:
-        logging.getLogger("wanka").error("%s", e)  # into RUN_DIR/logs/rankN.log once set up
+        _log_to_files(f"{args.cmd}: {e}")
         print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2
     except Exception:
         # Only rank 0's output reaches the console: keep every rank's traceback in its log.
-        logging.getLogger("wanka").exception("%s failed", args.cmd)
+        _log_to_files(f"{args.cmd} failed", exc_info=sys.exc_info())
         raise
     except KeyboardInterrupt:
         return 130

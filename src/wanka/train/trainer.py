@@ -258,7 +258,12 @@ def run(cfg: JobConfig) -> dict:
     val_loss = evaluate(job, cfg.train.steps)
     metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
     metrics.close()
-    return _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start)
+    summary = _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start)
+    # Leave together: a rank that exits (and tears its process group down) while rank 0 still
+    # writes the report would make the launcher kill rank 0 mid-write.
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
 
 
 def _train_state(job: Job) -> dict:
