@@ -28,14 +28,7 @@ from torch.autograd.function import once_differentiable
 
 from wanka.ops.common import new_output
 from wanka.ops.registry import register
-
-try:  # optional: the CPU-only CI may not have it
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
+from wanka.ops.triton_common import HAVE_TRITON, dot_precision, pow2, tl, triton
 
 if HAVE_TRITON:
 
@@ -249,17 +242,9 @@ if HAVE_TRITON:
         )
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
-
 def _blocks(L: int, D: int, block: int | None):
-    bm = min(64, _pow2(L)) if block is None else _pow2(block)
-    return bm, _pow2(D)
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    bm = min(64, pow2(L)) if block is None else pow2(block)
+    return bm, pow2(D)
 
 
 def _doc_bounds(doc_ids: torch.Tensor):
@@ -286,7 +271,7 @@ def _forward(q, k, v, doc, start, scale, block):
         q, k, v, doc, start, out, lse, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=_prec(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     return out, lse
 
@@ -304,13 +289,13 @@ def _backward(q, k, v, doc, start, end, out, lse, dout, scale, block):
         q, k, v, doc, start, dout, lse, delta, dq, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=_prec(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     _bwd_dkdv_kernel[(triton.cdiv(L, BM), B)](
         q, k, v, doc, end, dout, lse, delta, dk, dv, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=_prec(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     return dq, dk, dv
 

@@ -24,14 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from wanka.ops.common import new_output
 from wanka.ops.registry import register
-
-try:  # optional: the CPU-only CI may not have it
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
+from wanka.ops.triton_common import HAVE_TRITON, dot_precision, pow2, tl, triton
 
 if HAVE_TRITON:
 
@@ -156,17 +149,9 @@ if HAVE_TRITON:
         )
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, int(n) - 1).bit_length())
-
-
 def _blocks(H: int, D: int, K: int, block_k: int | None):
-    bk = _pow2(min(K, 32)) if block_k is None else _pow2(block_k)
-    return _pow2(H), _pow2(D), bk
-
-
-def _prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    bk = pow2(min(K, 32)) if block_k is None else pow2(block_k)
+    return pow2(H), pow2(D), bk
 
 
 def _forward(q, k, v, indices, scale, block_k):
@@ -183,7 +168,7 @@ def _forward(q, k, v, indices, scale, block_k):
         *q.stride(), *k.stride(), *v.stride(), indices.stride(0), indices.stride(1),
         *out.stride(), *lse.stride(),
         L, H, D, K,
-        BLOCK_H=BH, BLOCK_D=BD, BLOCK_K=BK, PREC=_prec(q.dtype),
+        BLOCK_H=BH, BLOCK_D=BD, BLOCK_K=BK, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     return out, lse
 
@@ -204,7 +189,7 @@ def _backward(q, k, v, indices, out, lse, dout, scale, block_k):
         *q.stride(), *k.stride(), *v.stride(), indices.stride(0), indices.stride(1),
         *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(),
         L, H, D, K,
-        BLOCK_H=BH, BLOCK_D=BD, BLOCK_K=BK, PREC=_prec(q.dtype),
+        BLOCK_H=BH, BLOCK_D=BD, BLOCK_K=BK, PREC=dot_precision(q.dtype),
     )  # fmt: skip
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
