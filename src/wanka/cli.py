@@ -10,6 +10,9 @@ from pathlib import Path
 
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
+from wanka.resilience.chaos_cli import add_chaos_parser
+from wanka.resilience.check_cli import add_check_parser
+from wanka.resilience.nodes_cli import add_nodes_parser
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -25,22 +28,30 @@ def _train(args: argparse.Namespace) -> int:
         *sum((["--set", s] for s in args.set), []),
     ]
     if args.cluster:  # one job across the cluster-in-a-box nodes, torchrun on each
+        if cfg.resilience.supervise:
+            from wanka.resilience.chaos import parse_schedule
+            from wanka.resilience.supervisor import Supervisor
+
+            chaos = parse_schedule(args.chaos) if args.chaos else None
+            return Supervisor(cfg, worker, args.nproc, rdzv, chaos,
+                              cluster_state=args.cluster_state or "").run()  # fmt: skip
         from wanka.cluster.launch import launch_on_cluster
 
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
     if not inside_torchrun():
-        if args.nproc > 1 or args.nnodes is not None:
-            nnodes = int(str(args.nnodes or 1).split(":")[-1])
-            ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
-            if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
-                from wanka.train.trainer import check_data
+        nnodes = int(str(args.nnodes or 1).split(":")[-1])
+        ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+        if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
+            from wanka.train.trainer import check_data
 
-                check_data(cfg, args.nproc)
-            worker = [
-                "train",
-                *([args.config] if args.config else []),
-                *sum((["--set", s] for s in args.set), []),
-            ]
+            check_data(cfg, args.nproc)
+        if cfg.resilience.supervise:
+            from wanka.resilience.chaos import parse_schedule
+            from wanka.resilience.supervisor import Supervisor
+
+            chaos = parse_schedule(args.chaos) if args.chaos else None
+            return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
+        if args.nproc > 1 or args.nnodes is not None:
             rc = launch(args.nproc, rdzv, worker)
             if rc not in (0, 2):  # 2: a rank already printed the one-line reason
                 print(
@@ -49,9 +60,18 @@ def _train(args: argparse.Namespace) -> int:
                 )
             return rc
         single_process_env()
+    from wanka.resilience.supervisor import EXIT_PREEMPTED
+    from wanka.resilience.worker import Preempted
     from wanka.train.trainer import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except Preempted as e:
+        from wanka.resilience.heartbeat import mark_exit
+
+        mark_exit(EXIT_PREEMPTED)
+        print(f"wanka train: {e}; run the same command again to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 
@@ -111,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc", type=int, default=1, help="ranks on this node (on each node with --cluster)"
     )
     t.add_argument("--cluster", action="store_true", help="span the nodes of `wanka cluster up`")
+    t.add_argument("--chaos", default="", metavar="SCHEDULE",
+                   help="inject faults, e.g. 'kill@step=30,rank=1;stop@step=60' (see wanka chaos)")  # fmt: skip
     t.add_argument(
         "--cluster-state", default=None, help="cluster state dir (default: the testbed's)"
     )
@@ -120,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     t.set_defaults(fn=_train)
     add_cluster_parser(sub)
+    add_check_parser(sub)
+    add_nodes_parser(sub)
+    add_chaos_parser(sub)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     dp = d.add_parser(
@@ -184,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, ParallelError, ValueError, FileNotFoundError) as e:
+        from wanka.resilience.heartbeat import mark_exit
+
+        mark_exit(2)
         _log_to_files(f"{args.cmd}: {e}")
         print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2

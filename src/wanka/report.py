@@ -1,4 +1,5 @@
-"""`wanka report RUN_DIR`: loss-curve PNG and a short text summary from metrics.jsonl."""
+"""`wanka report RUN_DIR`: loss-curve PNG and a short text summary from metrics.jsonl, plus the
+goodput breakdown and a timeline PNG when the run recorded resilience/timeline.jsonl."""
 
 from __future__ import annotations
 
@@ -151,15 +152,42 @@ def summarize(train: list[dict], evals: list[dict]) -> list[str]:
     return lines
 
 
+def _report_goodput(run_dir: Path) -> list[str]:
+    """Goodput block and timeline.png for a run with a timeline; [] for one without."""
+    from wanka.resilience.goodput import (
+        TIMELINE_FILE,
+        compute_goodput,
+        format_goodput,
+        plot_timeline,
+        read_timeline,
+    )
+
+    path = run_dir / TIMELINE_FILE
+    if not path.is_file():
+        return []
+    events = read_timeline(path)
+    png = plot_timeline(events, run_dir / "timeline.png")
+    return [format_goodput(compute_goodput(events)), f"timeline       : {png}"]
+
+
 def report_main(run_dir: str) -> int:
     """Entry point of `wanka report RUN_DIR`: 0 on success, 2 for a bad run directory."""
+    run = Path(run_dir)
+    goodput = _report_goodput(run)
     try:
-        train, evals = load_metrics(Path(run_dir))
-        png = plot_loss_curves(Path(run_dir))
+        train, evals = load_metrics(run)
+        png = plot_loss_curves(run)
     except ValueError as e:
-        print(f"wanka report: {e}", file=sys.stderr)
-        return 2
-    for line in summarize(train, evals):
-        print(line)
-    print(f"loss curve     : {png}")
+        if not goodput:
+            print(f"wanka report: {e}", file=sys.stderr)
+            return 2
+        # A run that died before its first step has a timeline but no metrics: the goodput
+        # block is still worth showing.
+        print(f"wanka report: {e}; loss curve skipped", file=sys.stderr)
+    else:
+        for line in summarize(train, evals):
+            print(line)
+        print(f"loss curve     : {png}")
+    for block in goodput:
+        print(block)
     return 0

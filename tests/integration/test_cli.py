@@ -90,7 +90,7 @@ def test_rerun_resumes_and_finishes(trained):
         (["--set", "train.log_every=0"], "train.log_every"),
         (
             ["--set", "checkpoint.load=/nonexistent/ck", "--set", "parallel.ep=1"],
-            "no checkpoint directory",
+            "checkpoint.load='/nonexistent/ck' is not a directory",
         ),
     ],
 )

@@ -17,14 +17,15 @@ RDZV_PORT = 29400
 
 
 def torchrun_argv(st: ClusterState, i: int, nproc_per_node: int, target: list[str],
-                  rdzv_id: str, port: int = RDZV_PORT) -> list[str]:  # fmt: skip
-    """torchrun for node i. `target` is what torchrun runs: ["-m", "wanka.cli", ...] or a
-    script path and its arguments."""
-    node = st.nodes[i]
+                  rdzv_id: str, port: int = RDZV_PORT, nodes: list | None = None) -> list[str]:  # fmt: skip
+    """torchrun for node i of `nodes` (default: all of the cluster's). `target` is what torchrun
+    runs: ["-m", "wanka.cli", ...] or a script path and its arguments."""
+    nodes = nodes or st.nodes
+    node = nodes[i]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(st.nodes)}",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
         f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={st.master.addr}:{port}", f"--rdzv-id={rdzv_id}",
+        f"--rdzv-endpoint={nodes[0].addr}:{port}", f"--rdzv-id={rdzv_id}",
         # Inside a namespace the hostname resolves to 127.0.0.1: say explicitly who hosts the
         # rendezvous store and which address this node's agent advertises.
         f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={node.addr}",

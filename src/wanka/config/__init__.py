@@ -5,11 +5,12 @@ from wanka.config.schema import (
     JobConfig,
     ModelConfig,
     ParallelConfig,
+    ResilienceConfig,
     RunConfig,
     TrainConfig,
 )
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig",
-    "ParallelConfig", "RunConfig", "TrainConfig", "dump_toml", "load_config",
+    "ParallelConfig", "ResilienceConfig", "RunConfig", "TrainConfig", "dump_toml", "load_config",
 ]  # fmt: skip

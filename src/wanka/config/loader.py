@@ -170,6 +170,17 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.every", "must be positive")
     if t.eval_every <= 0:
         raise ConfigError("train.eval_every", "must be positive")
+    r = cfg.resilience
+    for path, v in {"resilience.snapshot_every": r.snapshot_every, "resilience.max_restarts": r.max_restarts,
+                    "resilience.backoff_s": r.backoff_s, "resilience.spike_factor": r.spike_factor}.items():  # fmt: skip
+        if v < 0:
+            raise ConfigError(path, f"must be >= 0, got {v}")
+    for path, v in {"resilience.hang_factor": r.hang_factor, "resilience.hang_floor_s": r.hang_floor_s,
+                    "resilience.hang_initial_s": r.hang_initial_s, "resilience.evict_after": r.evict_after,
+                    "resilience.no_progress_restarts": r.no_progress_restarts,
+                    "resilience.evict_same_cause": r.evict_same_cause}.items():  # fmt: skip
+        if v <= 0:
+            raise ConfigError(path, f"must be positive, got {v}")
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:

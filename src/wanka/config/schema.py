@@ -97,6 +97,31 @@ class RunConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """Supervisor, hang detection, in-memory snapshots, fault ledger (see docs/RESILIENCE.md)."""
+
+    supervise: bool = True  # `wanka train --nproc N` runs under the supervisor
+    snapshot_every: int = 1  # in-memory (shared-memory) snapshot every N steps; 0 = off
+    snapshot_replica: bool = True  # copy each snapshot to a rank on another node
+    snapshot_dir: str = "/dev/shm/wanka"  # survives the training processes, not the node
+    hang_factor: float = 3.0  # phase time-out = factor x longest observed duration ...
+    hang_floor_s: float = 4.0  # ... but never below this
+    hang_initial_s: float = 120.0  # before anything was observed (start-up, first step)
+    max_restarts: int = 10  # retry budget of the supervisor
+    no_progress_restarts: int = 3  # stop after this many restarts without a new step
+    backoff_s: float = 0.5  # first back-off; doubles per consecutive failure
+    backoff_max_s: float = 30.0
+    ledger: str = ".cache/wanka/faults.sqlite"  # persistent fault ledger (SQLite)
+    evict_after: int = 3  # evict a node after this many faults within evict_window_s ...
+    evict_window_s: float = 3600.0
+    evict_same_cause: int = 2  # ... or this many of the same node-level cause
+    last_gasp: bool = True  # SIGTERM/SIGUSR1: all ranks stop at one step and checkpoint
+    nan_guard: bool = True  # retry, then skip, a step with a non-finite loss or grad norm
+    spike_factor: float = 0.0  # loss > factor x running mean = spike (0 = off)
+    preflight: Literal["off", "static", "full"] = "static"  # before every (re)launch
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -104,3 +129,4 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)

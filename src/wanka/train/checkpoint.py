@@ -1,14 +1,19 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), optionally async.
 
 Layout: RUN_DIR/checkpoints/step-00000100/ holding DCP files plus a COMPLETE marker that rank 0
-writes only after every rank's data and DCP's metadata are on disk. Only marked checkpoints
-are ever loaded, so a crash mid-save falls back to the previous one. DCP stores tensors by
+writes (atomically) only after every rank's data and DCP's metadata are on disk. The marker is
+also the manifest: size and SHA-256 of every file. Only marked checkpoints whose files still
+match their manifest are ever loaded, so a crash mid-save, a truncated or a corrupted file
+falls back to the previous valid checkpoint (the bad one is kept, flagged CORRUPT, never read). DCP stores tensors by
 fully-qualified name and global shape, so a checkpoint saved by N ranks loads on M ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,6 +27,42 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 MARKER = "COMPLETE"
+CORRUPT = "CORRUPT"
+log = logging.getLogger("wanka.checkpoint")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path, step: int) -> None:
+    files = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(path.iterdir())
+             if p.is_file() and p.name not in (MARKER, CORRUPT)}  # fmt: skip
+    tmp = path / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), "files": files}))
+    os.replace(tmp, path / MARKER)
+
+
+def verify(path: Path) -> str | None:
+    """None if every file matches the manifest, else what is wrong (one line)."""
+    try:
+        manifest = json.loads((path / MARKER).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path.name}: no readable manifest"
+    for name, (size, digest) in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{path.name}: {name} is missing"
+        if f.stat().st_size != size:
+            return f"{path.name}: {name} is {f.stat().st_size} bytes, manifest says {size} (truncated?)"
+        if _sha256(f) != digest:
+            return f"{path.name}: {name} does not match its checksum (corrupted)"
+    return None
 
 
 def _last_line(e: BaseException) -> str:
@@ -43,7 +84,9 @@ def step_dir(root: Path, step: int) -> Path:
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if (p / MARKER).is_file()]
+    found = [
+        p for p in root.glob("step-*") if (p / MARKER).is_file() and not (p / CORRUPT).exists()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -53,6 +96,7 @@ class Checkpointer:
         self.root, self.model, self.optimizer = root, model, optimizer
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
         self._pending: tuple[Any, Path, int] | None = None
+        self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
         self.last_save_seconds = 0.0
         # Async saves run DCP's collectives in a background thread: they need their own process
         # group, or they interleave with training collectives on the default one and deadlock.
@@ -96,13 +140,39 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier()
         if self.is_main:
-            (path / MARKER).write_text(json.dumps({"step": step, "time": time.time()}))
+            write_manifest(path, step)
             for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
 
     def latest(self) -> Path | None:
         done = complete_checkpoints(self.root)
         return done[-1] if done else None
+
+    def latest_valid(self) -> Path | None:
+        """Newest checkpoint whose files match their manifest; rank 0 checks, all ranks agree.
+        Bad ones are flagged CORRUPT (kept for inspection, never loaded)."""
+        found = None
+        if self.is_main:
+            for path in reversed(complete_checkpoints(self.root)):
+                problem = verify(path)
+                if problem is None:
+                    found = str(path)
+                    break
+                log.error("skipping checkpoint %s", problem)
+                self.skipped.append(problem)
+                (path / CORRUPT).write_text(problem + "\n")
+        if dist.is_initialized():
+            box = [found]
+            dist.broadcast_object_list(box, src=0)
+            found = box[0]
+        return Path(found) if found else None
+
+    @staticmethod
+    def step_of(path: Path) -> int:
+        try:
+            return int(json.loads((path / MARKER).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return 0
 
     def load(self, path: Path, train_template: dict[str, Any]) -> dict[str, Any]:
         """Restore model + optimizer in place; return the saved train state. The template must
@@ -112,6 +182,9 @@ class Checkpointer:
         if not (path / MARKER).is_file():
             raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): "
                              "pick an earlier one or set checkpoint.load='none'")  # fmt: skip
+        if (problem := verify(path)) is not None:
+            raise ValueError(f"checkpoint {problem}: pick an earlier one, or 'latest' "
+                             "(which skips damaged checkpoints)")  # fmt: skip
         state = self._state()
         state["train"] = {"step": 0, "rng": torch.get_rng_state(), **train_template}
         try:

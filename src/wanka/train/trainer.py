@@ -31,6 +31,7 @@ from wanka.device import (
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
 from wanka.models.transformer import Transformer, mtp_labels
+from wanka.resilience.worker import Preempted, Runtime
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
@@ -50,6 +51,7 @@ class Job:
     rank: int
     run_dir: Path
     n_indexers: int
+    runtime: Runtime | None = None
 
     @property
     def is_main(self) -> bool:
@@ -66,6 +68,9 @@ def setup(cfg: JobConfig) -> Job:
     device = local_device(device_type)
     run_dir = Path(cfg.run.dir)
     _setup_logging(run_dir, rank)
+    runtime = Runtime(cfg, rank)
+    runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
+    runtime.chaos.at_start()
     dims = ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world)
     dims.build_meshes(device_type)
     if rank == 0:
@@ -92,7 +97,7 @@ def setup(cfg: JobConfig) -> Job:
     n_indexers = sum(blk.attention.indexer is not None for blk in model.layers.values())
     parallelize(model, dims)
     optimizer = build_optimizer(model, cfg.train)
-    return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers)
+    return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime)
 
 
 def _dataset_path(cfg: JobConfig, rank: int) -> Path:
@@ -139,14 +144,17 @@ def phase_at(cfg: JobConfig, step: int) -> str:
 
 
 def train_step(job: Job, step: int) -> dict[str, float]:
-    cfg, model = job.cfg, job.model
+    cfg, model, rt = job.cfg, job.model, job.runtime
     t0 = time.perf_counter()
     phase = phase_at(cfg, step)
     lr = set_lr(job.optimizer, step, cfg.train)
+    rt.progress.enter("data", step)
     micro = [
         job.loader.next_batch().to(job.device, non_blocking=True)
         for _ in range(cfg.train.grad_accum)
     ]
+    if delay := rt.chaos.delay(step):
+        time.sleep(delay)  # an injected straggler
 
     # Global target counts first, so each micro-batch's loss is scaled to the global mean.
     counts = torch.tensor([sum(int((b.labels != -100).sum()) for b in micro),
@@ -157,28 +165,32 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     n_micro_global = cfg.train.grad_accum * job.dims.dp_shard
     n_kl = max(n_micro_global * micro[0].tokens.numel() * job.n_indexers, 1)
 
-    sums = torch.zeros(4, dtype=torch.float64)
-    amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
-    for i, b in enumerate(micro):
-        # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
-        model.set_requires_gradient_sync(i == len(micro) - 1)
-        with torch.autocast(job.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
-        kl = parts.kl_sum / n_kl
-        if phase == "dense_warmup":
-            loss = kl  # only the indexer learns
-        else:
-            loss = (parts.lm_sum / n_lm + cfg.model.mtp_loss_weight * parts.mtp_sum / n_mtp + kl
-                    + cfg.model.balance_loss_weight * parts.balance / n_micro_global)  # fmt: skip
-        loss.backward()
-        sums += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
-                             parts.balance.detach()]).double().cpu()  # fmt: skip
-
-    grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip)
-    job.optimizer.step()
+    # A bad step (non-finite or spiking loss) is computed once more from the same state and
+    # batch: a transient fault then leaves no trace; bad twice, the batch is skipped.
+    for tries in range(2):
+        sums, grad_norm = _forward_backward(
+            job, micro, phase, n_lm, n_mtp, n_kl, n_micro_global, step
+        )
+        lm = float(sums[0]) / n_lm
+        bad = rt.guard.check(lm, float(grad_norm)) if cfg.resilience.nan_guard else None
+        if bad is None:
+            break
+        job.optimizer.zero_grad(set_to_none=True)
+        for m in model.moe_layers():
+            m.load.zero_()
+        log.warning("step %d: %s; %s", step + 1, bad,
+                    "retrying it" if tries == 0 else "skipping this batch")  # fmt: skip
+        now = time.time()
+        rt.event("fault", now, now, cause="nan", rank=None, node=rt.node, detail=bad, step=step)
+    skipped = bad is not None
+    rt.progress.enter("optimizer", step)
+    if not skipped:
+        job.optimizer.step()
+        rt.guard.accept(lm)
     job.optimizer.zero_grad(set_to_none=True)
-    imbalance = _update_expert_bias(model, cfg.model.bias_update_rate if phase == "sparse" else 0.0)
-    dist.all_reduce(sums)
+    imbalance = _update_expert_bias(
+        model, cfg.model.bias_update_rate if phase == "sparse" and not skipped else 0.0
+    )
     dt = time.perf_counter() - t0
     tokens = n_micro_global * micro[0].tokens.numel()
     lm, mtp, kl_sum, bal = sums.tolist()
@@ -187,7 +199,41 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         "indexer_kl": kl_sum / n_kl, "moe_balance": bal / n_micro_global,
         "moe_max_load": imbalance, "grad_norm": float(grad_norm), "lr": lr,
         "step_time": dt, "tokens_per_s": tokens / dt, "phase_sparse": float(phase == "sparse"),
+        "retried": float(tries > 0), "skipped": float(skipped),
     }  # fmt: skip
+
+
+def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_mtp: float,
+                      n_kl: float, n_micro_global: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Gradients of the global-mean loss over all micro-batches; returns the global loss sums
+    (all-reduced, so every rank can judge the step alike) and the clipped global grad norm."""
+    cfg, model, rt = job.cfg, job.model, job.runtime
+    sums = torch.zeros(4, dtype=torch.float64)
+    amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
+    for i, b in enumerate(micro):
+        # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
+        model.set_requires_gradient_sync(i == len(micro) - 1)
+        rt.progress.enter("forward", step)
+        with torch.autocast(job.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
+        kl = parts.kl_sum / n_kl
+        if phase == "dense_warmup":
+            loss = kl  # only the indexer learns
+        else:
+            loss = (parts.lm_sum / n_lm + cfg.model.mtp_loss_weight * parts.mtp_sum / n_mtp + kl
+                    + cfg.model.balance_loss_weight * parts.balance / n_micro_global)  # fmt: skip
+        if i == 0 and rt.chaos.nan_now(step):
+            loss = loss * float("nan")  # an injected numeric fault (e.g. a flipped bit)
+        rt.progress.enter("backward", step)
+        loss.backward()
+        sums += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
+                             parts.balance.detach()]).double().cpu()  # fmt: skip
+        if not torch.isfinite(loss.detach()):
+            sums[0] = float("nan")
+    rt.progress.enter("optimizer", step)
+    grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip)
+    dist.all_reduce(sums)
+    return sums, grad_norm
 
 
 def _mtp_targets(b: Batch, depth: int) -> int:
@@ -227,9 +273,19 @@ def run(cfg: JobConfig) -> dict:
     """The whole job. Returns the summary (also written to RUN_DIR/summary.json)."""
     t_start = time.perf_counter()
     job = setup(cfg)
+    rt = job.runtime
     ckpt = Checkpointer(job.run_dir / "checkpoints", job.model, job.optimizer, cfg.checkpoint.keep,
                         cfg.checkpoint.async_save, job.is_main)  # fmt: skip
-    start = _maybe_resume(job, ckpt)
+    from wanka.resilience.snapshot import layout_signature
+
+    snapshots = rt.snapshot_store(job.dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                  layout_signature(job.model, job.dims.world_size,
+                                                   _train_state(job)["model_config"]))  # fmt: skip
+    with rt.span("restore") as info:
+        rt.progress.enter("restore")
+        start = _resume(job, ckpt, snapshots, info)
+    t_process = time.time() - (time.perf_counter() - t_start)  # wall clock at run() entry
+    rt.event("startup", rt.launch_time or t_process, time.time())
     metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
     metrics.truncate_after(start)
     log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
@@ -237,7 +293,11 @@ def run(cfg: JobConfig) -> dict:
 
     tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
     for step in range(start, cfg.train.steps):
-        m = train_step(job, step)
+        rt.progress.enter("data", step)
+        if rt.stop_agreed():  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+            _last_gasp(job, ckpt, snapshots, step)
+        with rt.span("step", step=step):
+            m = train_step(job, step)
         tokens_per_s.append(m["tokens_per_s"])
         step_times.append(m["step_time"])
         train_loss = m["loss"]
@@ -248,17 +308,27 @@ def run(cfg: JobConfig) -> dict:
         ):
             metrics.log_train(step + 1, m)
         if (step + 1) % cfg.train.eval_every == 0 and step + 1 != cfg.train.steps:
-            val_loss = evaluate(job, step)
+            with rt.span("eval", step=step), rt.phase("eval", step):
+                val_loss = evaluate(job, step)
             metrics.log_eval(step + 1, {"val_loss": val_loss})
+        if snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
+            with rt.span("snapshot", step=step), rt.phase("snapshot", step):
+                snapshots.save(step + 1, _snapshot_state(job))
         if cfg.checkpoint.enable and (
             (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
         ):
-            ckpt.save(step + 1, _train_state(job))
+            with rt.span("checkpoint", step=step), rt.phase("checkpoint", step):
+                ckpt.save(step + 1, _train_state(job))
+    rt.progress.enter("checkpoint")
     ckpt.wait()
-    val_loss = evaluate(job, cfg.train.steps)
+    if snapshots is not None:
+        snapshots.close()
+    with rt.span("eval", step=cfg.train.steps), rt.phase("eval"):
+        val_loss = evaluate(job, cfg.train.steps)
     metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
     metrics.close()
     summary = _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, start)
+    rt.progress.close()
     # Leave together: a rank that exits (and tears its process group down) while rank 0 still
     # writes the report would make the launcher kill rank 0 mid-write.
     dist.barrier()
@@ -266,23 +336,68 @@ def run(cfg: JobConfig) -> dict:
     return summary
 
 
+def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
+    """Stop on request: a persistent checkpoint of the state after `step` steps, then leave."""
+    with job.runtime.span("last_gasp", step=step), job.runtime.phase("checkpoint", step):
+        ckpt.wait()
+        if snapshots is not None:
+            snapshots.wait()
+        ckpt.async_save = False
+        ckpt.save(step, _train_state(job))
+    log.info("stopped on request at step %d; checkpoint %s written", step, ckpt.latest())
+    dist.barrier()
+    dist.destroy_process_group()
+    raise Preempted(f"stopped on request at step {step}")
+
+
+def _snapshot_state(job: Job) -> dict:
+    from wanka.resilience.snapshot import capture
+
+    extra = {"loader": job.loader.state_dict(), "guard": job.runtime.guard.state_dict()}
+    return capture(job.model, job.optimizer, extra)
+
+
 def _train_state(job: Job) -> dict:
     """What besides model and optimizer a checkpoint holds; the model config guards resumes."""
     model_cfg = json.dumps(dataclasses.asdict(job.cfg.model), sort_keys=True)
-    return {"loader": job.loader.state_dict(), "model_config": model_cfg}
+    guard = json.dumps(job.runtime.guard.state_dict())
+    return {"loader": job.loader.state_dict(), "model_config": model_cfg, "guard": guard}
 
 
-def _maybe_resume(job: Job, ckpt: Checkpointer) -> int:
+def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
+    """Newest of: an in-memory snapshot (same layout only), the newest valid DCP checkpoint."""
     load = job.cfg.checkpoint.load
     if load == "none" and ckpt.latest() is not None:
         raise ValueError(f"{job.run_dir} already holds checkpoints ({ckpt.latest().name}) and "
                          "checkpoint.load='none': use a new run.dir, or resume with 'latest'")  # fmt: skip
-    path = None if load == "none" else (ckpt.latest() if load == "latest" else Path(load))
+    path = None if load == "none" else (ckpt.latest_valid() if load == "latest" else Path(load))
+    for problem in ckpt.skipped:  # damaged checkpoints met on the way (rank 0 knows them)
+        now = time.time()
+        job.runtime.event("fault", now, now, cause="checkpoint_corrupt", rank=None,
+                          node=job.runtime.node, detail=problem)  # fmt: skip
+    disk_step = ckpt.step_of(path) if path is not None else 0
+    if snapshots is not None and load == "latest":
+        from wanka.resilience.snapshot import apply
+
+        found = snapshots.restore()
+        if found is not None and found[0] >= disk_step:
+            step, state = found
+            extra = apply(state, job.model, job.optimizer)
+            job.loader.load_state_dict(extra["loader"])
+            job.runtime.guard.load_state_dict(extra["guard"])
+            apply_hyperparameters(job.optimizer, job.cfg.train)
+            info.update(source="memory", step=step)
+            log.info("resumed from the in-memory snapshot of step %d", step)
+            return step
     if path is None:
+        info.update(source="none", step=0)
         return 0
     state = ckpt.load(path, _train_state(job))
     job.loader.load_state_dict(state["loader"])
+    if "guard" in state:
+        job.runtime.guard.load_state_dict(json.loads(state["guard"]))
     apply_hyperparameters(job.optimizer, job.cfg.train)
+    info.update(source="disk", step=int(state["step"]))
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
 
@@ -299,6 +414,27 @@ def _peak_memory_mb(device: torch.device) -> float:
     return float(t)
 
 
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 over every rank's local model and optimizer tensors, in rank order: two runs
+    with equal digests ended in bitwise-identical states (the fault drills compare them)."""
+    import hashlib
+
+    from wanka.resilience.snapshot import capture
+
+    state = capture(model, optimizer, {})
+    h = hashlib.sha256()
+    for part in ("model", "optim"):
+        flat = state[part] if part == "model" else state[part]["state"]
+        for key in sorted(flat, key=str):
+            val = flat[key]
+            for t in val.values() if isinstance(val, dict) else [val]:
+                if isinstance(t, torch.Tensor):
+                    h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    digests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, h.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+
+
 def _median(xs: list[float]) -> float | None:
     return sorted(xs)[len(xs) // 2] if xs else None
 
@@ -311,6 +447,7 @@ def _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, 
         "resumed_from_step": start, "world_size": job.dims.world_size,
         "peak_memory_mb": _peak_memory_mb(job.device),
         "step_time_s": _median(step_times),
+        "state_digest": state_digest(job.model, job.optimizer),
         "checkpoint_dir": str(ckpt.latest()) if ckpt.latest() else None,
         "metrics_file": str(job.run_dir / "metrics.jsonl"),
     }  # fmt: skip

@@ -1,0 +1,1 @@
+"""Resilience: supervisor, hang detection, snapshots, fault ledger, goodput accounting."""

@@ -1,0 +1,52 @@
+"""`wanka chaos drill`: run a fault schedule against wanka and the torchrun baseline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from wanka.resilience.drill import DEFAULT_SCHEDULE
+
+
+def _drill(a: argparse.Namespace) -> int:
+    from wanka.resilience.drill import drill, format_drill
+
+    out = Path(a.out)
+    result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
+                   operator_timeout_s=a.operator_timeout)  # fmt: skip
+    print(format_drill(result))
+    print(f"\nfull results: {out / 'drill.json'}")
+    wanka = result["runs"]["wanka"]
+    return 0 if wanka["rc"] == 0 and wanka["state_equal"] else 1
+
+
+def _show(a: argparse.Namespace) -> int:
+    from wanka.resilience.drill import format_drill
+
+    path = Path(a.out) / "drill.json"
+    if not path.is_file():
+        raise ValueError(f"no drill results at {path}: run `wanka chaos drill --out {a.out}` first")
+    print(format_drill(json.loads(path.read_text())))
+    return 0
+
+
+def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
+    c = subparsers.add_parser("chaos", help="fault drills: inject faults, measure recovery")
+    sub = c.add_subparsers(dest="chaos_cmd", required=True)
+    d = sub.add_parser("drill", help="reference, wanka and torchrun-baseline runs of one schedule")
+    d.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--nproc", type=int, default=2)
+    d.add_argument("--schedule", default=DEFAULT_SCHEDULE,
+                   help="faults, e.g. 'kill@step=8,rank=1;stop@step=16' (see resilience/chaos.py)")  # fmt: skip
+    d.add_argument(
+        "--out", default="runs/drill", help="directory for the three runs and drill.json"
+    )
+    d.add_argument("--no-baseline", action="store_true", help="skip the torchrun baseline")
+    d.add_argument("--operator-timeout", type=float, default=60.0,
+                   help="baseline: seconds without progress before the job is killed and resubmitted")  # fmt: skip
+    d.set_defaults(fn=_drill)
+    s = sub.add_parser("show", help="print the tables of a finished drill")
+    s.add_argument("--out", default="runs/drill")
+    s.set_defaults(fn=_show)

@@ -1,0 +1,215 @@
+"""`wanka chaos drill`: one schedule of faults against wanka and against the baseline.
+
+Three runs of the same job and seed, one after the other on this machine:
+  reference  wanka, no faults: the final state digest every faulty run must reproduce;
+  wanka      under the supervisor, with the schedule injected;
+  baseline   what a user has without wanka's resilience: plain torchrun --max-restarts with
+             periodic DCP checkpoints (no heartbeats, no snapshots, no NaN guard). Nothing
+             detects a hang there: an "operator" kills the job after `operator_timeout_s`
+             without progress and resubmits it, as a person watching the job would.
+A job that stops on request (SIGTERM, exit 75) is resubmitted at once, in both set-ups.
+Per fault: detected, detection latency, time from the fault to the first new productive
+step, steps lost; per run: goodput and whether the final state equals the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from wanka.resilience.chaos import ChaosDriver, parse_schedule
+from wanka.resilience.goodput import TimelineWriter, compute_goodput, read_timeline
+from wanka.resilience.heartbeat import read_all
+
+DEFAULT_SCHEDULE = ("kill@step=8,rank=1;stop@step=16,rank=0;nan@step=22,rank=1;"
+                    "sigterm@step=28;corrupt_ckpt@step=33;node_kill@step=36")  # fmt: skip
+EXIT_PREEMPTED = 75
+
+
+def _wanka(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "wanka.cli", *args]
+
+
+def _summary(run_dir: Path) -> dict:
+    p = run_dir / "summary.json"
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def run_wanka(config: str | None, overrides: list[str], nproc: int, run_dir: Path,
+              schedule: str, log) -> dict:  # fmt: skip
+    sets = [*overrides, f'run.dir="{run_dir}"']
+    argv = _wanka(["train", *([config] if config else []), "--nproc", str(nproc),
+                   *sum((["--set", s] for s in sets), []), *(["--chaos", schedule] if schedule else [])])  # fmt: skip
+    t0 = time.time()
+    submissions = 0
+    while True:
+        submissions += 1
+        rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        if rc != EXIT_PREEMPTED:
+            break
+    return {"rc": rc, "wall_s": time.time() - t0, "submissions": submissions}
+
+
+def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: Path,
+                 schedule: str, operator_timeout_s: float, max_restarts: int, log) -> dict:  # fmt: skip
+    """torchrun --max-restarts, ranks without supervision; faults injected from here."""
+    from wanka.distributed.launch import free_port
+    from wanka.resilience.supervisor import job_id
+
+    sets = [*overrides, f'run.dir="{run_dir}"', "resilience.supervise=false",
+            "resilience.snapshot_every=0", "resilience.nan_guard=false",
+            "resilience.last_gasp=false"]  # fmt: skip
+    hb_dir = run_dir / "resilience" / "hb"
+    timeline = TimelineWriter(run_dir / "resilience" / "timeline.jsonl", attempt=0)
+    driver = None
+    t_job, submissions, rc = time.time(), 0, 1
+    timeline.event("job", t_job, None)
+    while True:
+        submissions += 1
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                f"--max-restarts={max_restarts}", f"--master-port={free_port()}",
+                "-m", "wanka.cli", "train", *([config] if config else []),
+                *sum((["--set", s] for s in sets), [])]  # fmt: skip
+        env = {**os.environ, "WANKA_HB_DIR": str(hb_dir), "WANKA_TIMELINE": "1",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        if driver is None:
+            driver = ChaosDriver(parse_schedule(schedule), run_dir, job_id(run_dir), "/dev/shm/wanka",
+                                 timeline, job_pid=proc.pid)  # fmt: skip
+        driver.job_pid = proc.pid
+        stalled = _drive(proc, driver, hb_dir, operator_timeout_s, timeline)
+        rc = proc.wait()
+        if stalled:
+            continue  # the operator resubmits
+        if rc != EXIT_PREEMPTED and rc != 1 or _summary(run_dir):
+            break
+        if rc == 1 and not any(
+            e["kind"] == "last_gasp" for e in read_timeline(timeline.path)[-50:]
+        ):
+            break  # out of restarts: the baseline job failed
+    timeline.event("job", t_job, time.time())
+    return {"rc": rc, "wall_s": time.time() - t_job, "submissions": submissions}
+
+
+def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_timeout_s: float,
+           timeline: TimelineWriter) -> bool:  # fmt: skip
+    """Inject faults while the baseline runs; kill it if it makes no progress for too long."""
+    last_step, last_change = None, time.time()
+    while proc.poll() is None:
+        time.sleep(0.05)
+        now = time.time()
+        beats = read_all(hb_dir)
+        newest = max(beats.values(), key=lambda b: b.attempt, default=None)
+        beats = {r: b for r, b in beats.items() if newest and b.attempt == newest.attempt}
+        driver.poll(beats, now, newest.attempt if newest else 0)
+        key = tuple(sorted((b.rank, b.step, b.phase) for b in beats.values()))
+        if key != last_step:
+            last_step, last_change = key, now
+        elif now - last_change > operator_timeout_s:
+            timeline.event("fault", last_change, now, cause="hang", detail="operator gave up waiting",
+                           injected=True)  # fmt: skip
+            os.killpg(proc.pid, signal.SIGKILL)
+            for b in beats.values():
+                try:
+                    os.kill(b.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return True
+    return False
+
+
+def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
+          baseline: bool = True, operator_timeout_s: float = 60.0) -> dict:  # fmt: skip
+    parse_schedule(schedule)  # bad schedules fail here, in one line
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "drill.log", "a")  # noqa: SIM115
+    runs: dict[str, dict] = {}
+    plan = [("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log)),
+            ("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))]  # fmt: skip
+    if baseline:
+        plan.append(("baseline", lambda d: run_baseline(config, overrides, nproc, d, schedule,
+                                                        operator_timeout_s, 5, log)))  # fmt: skip
+    for name, fn in plan:
+        run_dir = out_dir / name
+        print(f"drill: {name} run in {run_dir}", flush=True)
+        res = fn(run_dir)
+        res["digest"] = _summary(run_dir).get("state_digest")
+        res["val_loss"] = _summary(run_dir).get("val_loss")
+        tl = run_dir / "resilience" / "timeline.jsonl"
+        if tl.is_file():
+            events = read_timeline(tl)
+            g = compute_goodput(events)
+            res.update(goodput=g.goodput, wall_timeline_s=g.wall_s, steps_lost=g.steps_lost,
+                       breakdown=g.breakdown,
+                       injected=injected_faults(events, schedule, run_dir / "resilience" / "chaos"))  # fmt: skip
+        runs[name] = res
+    ref = runs["reference"]["digest"]
+    for res in runs.values():
+        res["state_equal"] = res["digest"] is not None and res["digest"] == ref
+    result = {"schedule": schedule, "nproc": nproc, "overrides": overrides, "runs": runs,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
+    (out_dir / "drill.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict]:
+    """Per injected fault, from the timeline alone (the same rules for wanka and baseline):
+    detected = a fault event (detection) before the next injection; time to productive = from
+    the injection to the end of the first step at or past the step it interrupted, in a later
+    run of the job; steps lost = steps done before the injection that had to be done again."""
+    chaos = [e for e in events if e["kind"] == "chaos"]
+    injections = [(e["t0"], e["fault"].split("@")[0]) for e in chaos]
+    # Faults injected inside a rank (nan, slow) leave a mark file when they fire.
+    kinds = {f.id: f.kind for f in parse_schedule(schedule)}
+    for p in marks.glob("*.fired") if marks.is_dir() else ():
+        if kinds.get(int(p.stem)) in ("nan", "slow"):
+            injections.append((p.stat().st_mtime, kinds[int(p.stem)]))
+    injections.sort()
+    detections = sorted(
+        (e for e in events if e["kind"] == "fault"), key=lambda e: e["t1"] or e["t0"]
+    )
+    steps = sorted(
+        (e for e in events if e["kind"] == "step" and e.get("t1")), key=lambda e: e["t0"]
+    )
+    rows = []
+    for i, (t_inj, kind) in enumerate(injections):
+        t_next = injections[i + 1][0] if i + 1 < len(injections) else float("inf")
+        # Damage to a checkpoint shows only when it is next read: look past the next fault.
+        until = float("inf") if kind in ("corrupt_ckpt", "truncate_ckpt") else t_next
+        det = next((d for d in detections if t_inj <= (d["t1"] or d["t0"]) < until
+                    and (until == t_next or d.get("cause") == "checkpoint_corrupt")), None)  # fmt: skip
+        before = [e["step"] for e in steps if e["t0"] < t_inj]
+        interrupted = max(before) if before else 0
+        after = [e for e in steps if e["t0"] >= t_inj and e["t0"] < t_next]
+        done = next((e for e in after if e["step"] >= interrupted), None)
+        redone = {e["step"] for e in after if e["step"] < interrupted}
+        rows.append({"kind": kind, "t": t_inj, "detected": det is not None,
+                     "detect_s": (det["t1"] or det["t0"]) - t_inj if det else None,
+                     "detected_as": det.get("cause") if det else None,
+                     "to_productive_s": done["t1"] - t_inj if done else None,
+                     "steps_lost": len(redone)})  # fmt: skip
+    return rows
+
+
+def format_drill(result: dict) -> str:
+    lines = [f"schedule: {result['schedule']}"]
+    for name, r in result["runs"].items():
+        if name == "reference":
+            continue
+        lines.append(f"\n== {name}: goodput {100 * r.get('goodput', 0):.1f}% | wall {r['wall_s']:.1f} s"
+                     f" | submissions {r['submissions']} | final state "
+                     f"{'== reference' if r['state_equal'] else '!= reference'} | exit {r['rc']}")  # fmt: skip
+        lines.append(f"  {'fault':<14}{'detected':>9}{'as':>20}{'detect s':>10}"
+                     f"{'to productive s':>17}{'steps lost':>12}")  # fmt: skip
+        for f in r.get("injected", []):
+            lat, rec = f["detect_s"], f["to_productive_s"]
+            lines.append(f"  {f['kind']:<14}{'yes' if f['detected'] else 'no':>9}"
+                         f"{str(f['detected_as'] or '-'):>20}{'-' if lat is None else f'{lat:.2f}':>10}"
+                         f"{'-' if rec is None else f'{rec:.2f}':>17}{f['steps_lost']:>12}")  # fmt: skip
+    return "\n".join(lines)

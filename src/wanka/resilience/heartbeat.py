@@ -1,0 +1,127 @@
+"""Progress reports from the training ranks to a monitor outside them.
+
+Each rank owns one small fixed-size file, HB_DIR/rank{N}.hb, and overwrites it in place
+(one pwrite, no fsync) whenever it enters a phase. A record says which step and phase the
+rank is in, since when, and the longest duration it has seen for every phase so far, so the
+monitor can learn time-outs without seeing every transition. Files, not sockets: a stopped or
+deadlocked rank cannot stop the monitor from reading its last word, and the files outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("init", "restore", "data", "forward", "backward", "optimizer", "snapshot",
+          "checkpoint", "eval", "done")  # fmt: skip
+PHASE_ID = {p: i for i, p in enumerate(PHASES)}
+_MAGIC = b"WKHB"
+# magic, pid, attempt, step, phase, phase start (unix s), write time, max seconds per phase
+_FMT = "<4siiqidd" + "d" * len(PHASES)
+RECORD_SIZE = struct.calcsize(_FMT)
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    pid: int
+    attempt: int
+    step: int
+    phase: str
+    since: float  # when the rank entered `phase` (time.time())
+    written: float
+    max_seconds: dict[str, float]  # longest observed duration per phase in this process
+
+
+class Reporter:
+    """The rank's side. `enter(phase)` costs one pwrite of ~120 bytes."""
+
+    def __init__(self, hb_dir: Path, rank: int, attempt: int) -> None:
+        hb_dir.mkdir(parents=True, exist_ok=True)
+        self.path = hb_dir / f"rank{rank}.hb"
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.attempt, self.step = attempt, -1
+        self.phase, self.since = "init", time.time()
+        self.max_seconds = [0.0] * len(PHASES)
+        self._write()
+        # Which node this rank runs on (ranks are assigned at rendezvous, not by node order).
+        (hb_dir / f"rank{rank}.node").write_text(
+            os.environ.get("WANKA_NODE") or os.uname().nodename
+        )
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        now = time.time()
+        i = PHASE_ID[self.phase]
+        self.max_seconds[i] = max(self.max_seconds[i], now - self.since)
+        self.phase, self.since = phase, now
+        if step is not None:
+            self.step = step
+        self._write()
+
+    def _write(self) -> None:
+        rec = struct.pack(_FMT, _MAGIC, os.getpid(), self.attempt, self.step,
+                          PHASE_ID[self.phase], self.since, time.time(), *self.max_seconds)  # fmt: skip
+        os.pwrite(self._fd, rec, 0)
+
+    def close(self) -> None:
+        self.enter("done")
+        os.close(self._fd)
+
+
+class NullReporter:
+    """Used when no monitor watches (single process, tests of the trainer alone)."""
+
+    step = -1
+
+    def enter(self, phase: str, step: int | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_beat(path: Path) -> Beat | None:
+    """The last record of one rank; None if absent or torn (retry on the next poll)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(RECORD_SIZE)
+    except OSError:
+        return None
+    if len(raw) != RECORD_SIZE:
+        return None
+    magic, pid, attempt, step, phase, since, written, *mx = struct.unpack(_FMT, raw)
+    if magic != _MAGIC or not 0 <= phase < len(PHASES):
+        return None
+    rank = int(path.stem.removeprefix("rank"))
+    return Beat(rank, pid, attempt, step, PHASES[phase], since, written, dict(zip(PHASES, mx)))
+
+
+def read_all(hb_dir: Path) -> dict[int, Beat]:
+    beats = (read_beat(p) for p in hb_dir.glob("rank*.hb")) if hb_dir.is_dir() else ()
+    return {b.rank: b for b in beats if b is not None}
+
+
+def mark_exit(code: int) -> None:
+    """A rank about to exit on purpose (e.g. a user error) says so next to its heartbeat, so
+    the monitor does not take the exit for a crash."""
+    hb, rank = os.environ.get("WANKA_HB_DIR"), os.environ.get("RANK")
+    if hb and rank is not None:
+        Path(hb).mkdir(parents=True, exist_ok=True)
+        (Path(hb) / f"rank{rank}.exit").write_text(str(code))
+
+
+def exit_code(hb_dir: Path, rank: int) -> int | None:
+    try:
+        return int((hb_dir / f"rank{rank}.exit").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def node_of(hb_dir: Path, rank: int | None) -> str | None:
+    try:
+        return (hb_dir / f"rank{rank}.node").read_text().strip() if rank is not None else None
+    except OSError:
+        return None

@@ -1,0 +1,121 @@
+"""Hang detection from heartbeats, with time-outs learned from what the job has shown.
+
+A phase's time-out is `factor x` the longest duration any rank has shown for it, never below
+`floor`; a phase never seen yet gets `initial` (start-up, the first step, the first checkpoint).
+Learned values persist in RUN_DIR/resilience/timeouts.json, so a restarted attempt starts with
+tight limits instead of the generous first-time ones. Checkpoint and snapshot phases learn their
+own limits, so a slow save is never mistaken for a hang and a hang in training is not hidden
+behind the checkpoint's long limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from wanka.resilience.heartbeat import Beat
+
+UNWATCHED = ("done",)  # a finished rank waits for the others; that is not a hang
+
+
+class Timeouts:
+    def __init__(self, path: Path, factor: float, floor: float, initial: float) -> None:
+        self.path, self.factor, self.floor, self.initial = Path(path), factor, floor, initial
+        self.learned: dict[str, float] = {}
+        if self.path.is_file():
+            try:
+                self.learned = {k: float(v) for k, v in json.loads(self.path.read_text()).items()}
+            except (ValueError, AttributeError):
+                self.learned = {}  # a torn file only costs the learned values
+
+    def observe(self, beats: Iterable[Beat]) -> None:
+        for b in beats:
+            for phase, secs in b.max_seconds.items():
+                if secs > self.learned.get(phase, 0.0):
+                    self.learned[phase] = secs
+
+    def limit(self, phase: str) -> float:
+        seen = self.learned.get(phase, 0.0)
+        return max(self.floor, self.factor * seen) if seen > 0 else self.initial
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.learned, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+
+@dataclass(frozen=True)
+class Hang:
+    rank: int
+    phase: str
+    step: int
+    since: float
+    stalled_s: float
+    limit_s: float
+    state: str  # the culprit's process state: R, S, T (stopped), D ...
+
+    def describe(self) -> str:
+        how = "stopped (SIGSTOP)" if self.state in ("T", "t") else f"state {self.state}"
+        return (f"rank {self.rank} made no progress for {self.stalled_s:.1f} s in {self.phase} of "
+                f"step {self.step} (limit {self.limit_s:.1f} s), process {how}")  # fmt: skip
+
+
+class HangMonitor:
+    def __init__(self, timeouts: Timeouts) -> None:
+        self.timeouts = timeouts
+
+    def check(self, beats: dict[int, Beat], now: float) -> Hang | None:
+        """A hang if any rank overstays its phase's limit. The culprit is a stopped or
+        uninterruptible rank if there is one, else the rank that stopped making progress
+        first (the others are usually waiting for it inside a collective)."""
+        live = [b for b in beats.values() if b.phase not in UNWATCHED]
+        over = [b for b in live if now - b.since > self.timeouts.limit(b.phase)]
+        if not over:
+            return None
+        states = {b.rank: process_state(b.pid) or "?" for b in live}
+        stuck = [b for b in live if states[b.rank] in ("T", "t", "D")]
+        culprit = min(stuck or live, key=lambda b: (b.step, b.since))
+        return Hang(culprit.rank, culprit.phase, culprit.step, culprit.since, now - culprit.since,
+                    self.timeouts.limit(culprit.phase), states[culprit.rank])  # fmt: skip
+
+
+def process_state(pid: int) -> str | None:
+    """One letter from /proc/PID/stat (R, S, D, T, Z ...), None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3) -> None:
+    """py-spy when installed (works on a process stuck in C code), else ask each rank's
+    faulthandler (SIGUSR2, registered by the worker) to write its Python stacks to its log."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"stack dump {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    py_spy = shutil.which("py-spy")
+    for b in sorted(beats.values(), key=lambda b: b.rank):
+        state = process_state(b.pid)
+        lines.append(f"rank {b.rank} pid {b.pid} step {b.step} phase {b.phase} state {state}")
+        if state in ("T", "t"):
+            lines.append("  stopped: no stack can be taken until it is continued")
+        elif py_spy:
+            r = subprocess.run([py_spy, "dump", "--pid", str(b.pid)], capture_output=True,
+                               text=True, timeout=10, check=False)  # fmt: skip
+            lines.append(r.stdout or r.stderr)
+        else:
+            try:
+                os.kill(b.pid, signal.SIGUSR2)
+                lines.append(f"  python stacks: see logs/rank{b.rank}.log (faulthandler)")
+            except ProcessLookupError:
+                lines.append("  gone")
+    out.write_text("\n".join(lines) + "\n")
+    if not py_spy:
+        time.sleep(wait_s)  # let faulthandler write before the ranks are killed

@@ -1,0 +1,334 @@
+"""The supervisor: `wanka train` runs the ranks under it and brings the job back after faults.
+
+Per attempt it builds torchrun's own launch config (same flags, same rendezvous) and runs
+torch.distributed.elastic's agent in this process, with two changes: workers are *forked* from
+this process, which has already imported torch and wanka (a restart costs a fork, not an
+interpreter start and a 3 s import), and the agent never restarts by itself (max_restarts=0):
+this loop decides, because it knows more than "a worker exited":
+
+* a monitor thread reads every rank's heartbeat (resilience/heartbeat.py), learns phase
+  time-outs, notices dead and hung ranks within a poll, dumps stacks, kills the attempt;
+* each exit is classified (success, user error, preempted, crash, hang, start-up failure),
+  written to the fault ledger and the run's timeline, and retried with back-off within a
+  budget, resuming from the newest in-memory snapshot or the newest valid DCP checkpoint;
+* attempts that make no progress end the job with a message instead of looping forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wanka.config import JobConfig
+from wanka.resilience.chaos import ChaosDriver, Fault
+from wanka.resilience.goodput import TimelineWriter
+from wanka.resilience.heartbeat import exit_code, node_of, read_all
+from wanka.resilience.ledger import EvictionPolicy, FaultLedger
+from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state
+
+log = logging.getLogger("wanka.supervisor")
+EXIT_USER_ERROR = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a last-gasp checkpoint; relaunch
+
+
+@dataclass
+class Outcome:
+    cause: str  # success, user_error, preempted, process_crash, hang, startup_failure
+    rank: int | None = None
+    detail: str = ""
+    t_fault: float | None = None  # when it happened, when known (injection, last progress)
+    t_detect: float | None = None
+    max_step: int = -1  # highest step any rank started in this attempt
+    codes: list[int] = field(default_factory=list)
+    node: str | None = None  # where it happened, when known
+
+
+def resilience_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "resilience"
+
+
+def job_id(run_dir: Path) -> str:
+    """Stable for one run directory, new if it is deleted: keys the shared-memory snapshots."""
+    path = resilience_dir(run_dir) / "job_id"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
+    return path.read_text().strip()
+
+
+def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
+    """Runs in each forked rank: the same `wanka train` as under plain torchrun."""
+    os.environ.update(env)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)  # the agent's handlers came along with the fork
+    from wanka.cli import main
+
+    rc = main(argv)
+    sys.stdout.flush()
+    if rc:
+        sys.exit(rc)
+
+
+class Supervisor:
+    def __init__(self, cfg: JobConfig, worker_argv: list[str], nproc: int,
+                 rdzv: dict | None = None, chaos: list[Fault] | None = None,
+                 node: str | None = None, cluster_state: str | None = None) -> None:  # fmt: skip
+        self.cfg, self.worker_argv, self.nproc = cfg, worker_argv, nproc
+        self.rdzv = dict(rdzv or {})
+        self.rc = cfg.resilience
+        self.run_dir = Path(cfg.run.dir)
+        self.dir = resilience_dir(self.run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.job = job_id(self.run_dir)
+        self.node = node or os.environ.get("WANKA_NODE") or socket.gethostname()
+        self.timeline = TimelineWriter(self.dir / "timeline.jsonl", attempt=0)
+        self.ledger = FaultLedger(self.rc.ledger)
+        self.policy = EvictionPolicy(self.rc.evict_after, self.rc.evict_window_s,
+                                     self.rc.evict_same_cause)  # fmt: skip
+        self.timeouts = Timeouts(self.dir / "timeouts.json", self.rc.hang_factor,
+                                 self.rc.hang_floor_s, self.rc.hang_initial_s)  # fmt: skip
+        self.chaos = ChaosDriver(chaos or [], self.run_dir, self.job, self.rc.snapshot_dir,
+                                 self.timeline)  # fmt: skip
+        self.outcomes: list[Outcome] = []
+        self.cluster = None
+        if cluster_state is not None:
+            from wanka.cluster.state import require
+
+            self.cluster = require(cluster_state or None)
+        self._preempt = threading.Event()
+        self._warned: set[str] = set()
+
+    # -- one attempt -------------------------------------------------------------------------
+    def _launch_config(self):
+        from torch.distributed.run import config_from_args, parse_args
+
+        from wanka.distributed.launch import torchrun_args
+
+        config, _, _ = config_from_args(parse_args(torchrun_args(self.nproc, self.rdzv, ["x"])))
+        config.start_method = "fork"  # the whole point: no interpreter start, no re-import
+        config.max_restarts = 0  # restarts are decided here
+        config.monitor_interval = 0.05
+        config.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+        config.shutdown_timeout = 60  # room for the last-gasp checkpoint
+        return config
+
+    def _attempt(self, attempt: int) -> Outcome:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # we report faults in one line
+
+        hb_dir = self.dir / "hb"
+        for old in hb_dir.glob("rank*.*") if hb_dir.is_dir() else ():
+            old.unlink()
+        env = {"WANKA_SUPERVISED": "1", "WANKA_ATTEMPT": str(attempt), "WANKA_JOB_ID": self.job,
+               "WANKA_HB_DIR": str(hb_dir), "WANKA_NODE": self.node,
+               "WANKA_LAUNCH_TIME": repr(time.time()),
+               "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+        out = Outcome("success")
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(hb_dir, attempt, out, stop),
+                                   name="wanka-monitor", daemon=True)  # fmt: skip
+        watcher.start()
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        try:
+            if self.cluster is not None:
+                self._cluster_attempt(attempt, env, out, stop)
+            else:
+                elastic_launch(self._launch_config(), _worker_entry)(self.worker_argv, env)
+        except ChildFailedError as e:
+            out.codes = [f.exitcode for f in e.failures.values()]
+        except SignalException as e:
+            out.cause, out.detail = "preempted", f"signal {e.sigval}"
+        finally:
+            stop.set()
+            watcher.join()
+            self.timeouts.save()
+        codes = {exit_code(hb_dir, r) for r in range(64)} - {None}  # what the ranks said on exit
+        if EXIT_PREEMPTED in codes:
+            out.cause = "preempted"
+        elif EXIT_USER_ERROR in codes:
+            out.cause = "user_error"
+        self._classify(out)
+        if out.node is None and out.rank is not None:
+            out.node = node_of(hb_dir, out.rank)
+        return out
+
+    def active_nodes(self) -> list:
+        evicted = self.ledger.evicted()
+        return [n for n in self.cluster.nodes if n.name not in evicted]
+
+    def _cluster_attempt(
+        self, attempt: int, env: dict, out: Outcome, stop: threading.Event
+    ) -> None:
+        from wanka.resilience.cluster_attempt import run_attempt
+
+        # WANKA_NODE is replaced by each node's own name (cluster/nodes.py node_env).
+        codes, failed = run_attempt(self.cluster, self.active_nodes(), self.nproc, self.worker_argv,
+                                    env, attempt, stop, self._preempt,
+                                    self.run_dir / "logs")  # fmt: skip
+        if any(codes):
+            out.codes = [c for c in codes if c]
+            out.node = out.node or failed
+
+    def _classify(self, out: Outcome) -> None:
+        if out.cause in ("hang", "preempted", "user_error") or out.cause.startswith("node"):
+            return
+        if out.cause == "process_crash":  # seen by the monitor; codes confirm
+            return
+        if not out.codes:
+            out.cause = "success"
+        elif EXIT_PREEMPTED in out.codes:
+            out.cause = "preempted"
+        elif EXIT_USER_ERROR in out.codes and all(
+            c in (EXIT_USER_ERROR, 1, -15) for c in out.codes
+        ):
+            out.cause = "user_error"
+        else:
+            out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
+            out.detail = out.detail or f"exit codes {sorted(set(out.codes))}"
+        if out.t_detect is None and out.cause not in ("success", "user_error", "preempted"):
+            out.t_detect = time.time()
+
+    def _watch(self, hb_dir: Path, attempt: int, out: Outcome, stop: threading.Event) -> None:
+        """Poll heartbeats: learn time-outs, drive chaos, catch dead and hung ranks."""
+        monitor = HangMonitor(self.timeouts)
+        while not stop.wait(0.05):
+            now = time.time()
+            beats = {r: b for r, b in read_all(hb_dir).items() if b.attempt == attempt}
+            self.timeouts.observe(beats.values())
+            out.max_step = max([out.max_step, *(b.step for b in beats.values())])
+            self.chaos.poll(beats, now, attempt)
+            dead = [
+                b
+                for b in beats.values()
+                if b.phase != "done" and process_state(b.pid) in ("Z", "X", None)
+            ]
+            hang = None if dead else monitor.check(beats, now)
+            if not dead and hang is None:
+                continue
+            if dead:
+                b = min(dead, key=lambda b: b.rank)
+                out.cause, out.rank = "process_crash", b.rank
+                out.detail = f"rank {b.rank} died in {b.phase} of step {b.step}"
+                if b.step < 0:
+                    out.cause = "startup_failure"
+                    out.detail = f"rank {b.rank} died while starting ({b.phase})"
+                if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
+                    out.cause = "user_error"  # it said why in one line; retrying cannot help
+                out.t_fault = self.chaos.fault_time(b.rank) or now
+            else:
+                out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
+                out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
+                dump_stacks(beats, self.run_dir / "logs" / f"stacks-attempt{attempt}.txt")
+            out.t_detect = now
+            out.node = node_of(hb_dir, out.rank)
+            for b in beats.values():  # tear the attempt down now: the agent would wait for gloo
+                try:
+                    os.kill(b.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> int:
+        import wanka.train.trainer  # noqa: F401  (imported once here, inherited by every fork)
+
+        t_job = time.time()
+        self.timeline.event("job", t_job, None, job=self.job, node=self.node)
+        if self.cluster is not None:  # no elastic agent here to catch the notice: forward it
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, lambda *_: self._preempt.set())
+        if self.rc.preflight != "off":
+            rc = self._preflight(live=self.rc.preflight == "full")
+            if rc:
+                return rc
+        attempt, failures, stalled, last_max = 0, 0, 0, -1
+        rc = 1
+        while True:
+            attempt += 1
+            self.timeline.attempt = attempt
+            out = self._attempt(attempt)
+            self.outcomes.append(out)
+            if out.cause == "success":
+                rc = 0
+                break
+            if out.cause == "user_error":
+                rc = EXIT_USER_ERROR
+                break
+            if out.cause == "preempted":
+                now = time.time()
+                self.timeline.event("fault", self.chaos.sigterm_time or now, now, cause="preempted",
+                                    rank=None, node=self.node, detail=out.detail,
+                                    injected=self.chaos.sigterm_time is not None)  # fmt: skip
+                print(f"wanka train: stopped on request ({out.detail}) after a checkpoint; run "
+                      "the same command again to resume", file=sys.stderr)  # fmt: skip
+                rc = EXIT_PREEMPTED
+                break
+            self._record_fault(out, attempt)
+            failures += 1
+            stalled = stalled + 1 if out.max_step <= last_max else 0
+            last_max = max(last_max, out.max_step)
+            if failures > self.rc.max_restarts:
+                print(f"wanka train: giving up after {failures} faults (resilience.max_restarts="
+                      f"{self.rc.max_restarts}); last: {out.cause}: {out.detail}", file=sys.stderr)  # fmt: skip
+                break
+            if stalled >= self.rc.no_progress_restarts:
+                print(f"wanka train: {stalled} restarts in a row made no progress (last: "
+                      f"{out.cause}: {out.detail}); fix the cause and resume", file=sys.stderr)  # fmt: skip
+                break
+            delay = 0.0 if stalled == 0 else min(self.rc.backoff_s * 2 ** (stalled - 1),
+                                                 self.rc.backoff_max_s)  # fmt: skip
+            print(f"wanka train: {out.cause} ({out.detail}); restart {failures} in {delay:.1f} s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            time.sleep(delay)
+            self.timeline.event(
+                "restart", out.t_detect or time.time(), time.time(), cause=out.cause
+            )
+        self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
+        return rc
+
+    def _record_fault(self, out: Outcome, attempt: int) -> None:
+        t1 = out.t_detect or time.time()
+        self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
+                            node=out.node or self.node, detail=out.detail,
+                            injected=self.chaos.fault_time(out.rank) is not None)  # fmt: skip
+        node = out.node or self.node
+        self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail)
+        reason = self.ledger.evaluate(node, self.policy)
+        if not reason:
+            return
+        if self.cluster is not None and len(self.active_nodes()) > 1:
+            self.ledger.evict(node, reason)
+            left = ", ".join(n.name for n in self.active_nodes())
+            print(f"wanka train: evicting node {node} ({reason}); continuing on {left}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
+        elif node not in self._warned:
+            self._warned.add(node)
+            print(f"wanka train: node {node} meets the eviction policy ({reason[:80]}) but no other "
+                  "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
+
+    def _preflight(self, live: bool) -> int:
+        from wanka.resilience.preflight import preflight
+
+        nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
+        t0 = time.time()
+        report = preflight(self.cfg, self.nproc, nnodes=nnodes, live=live, rdzv=self.rdzv)
+        self.timeline.event("preflight", t0, time.time(), ok=report.ok)
+        if not report.ok:  # one line per failed check, each saying what to fix
+            for r in report.results:
+                if not r.ok:
+                    print(f"wanka train: pre-flight {r.name}: {r.message}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        return 0

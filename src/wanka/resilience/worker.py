@@ -1,0 +1,124 @@
+"""What a rank adds to the training loop when it runs under the supervisor (or plain torchrun).
+
+- progress: phase reports to the monitor (a no-op without one);
+- stop requests: SIGTERM / SIGUSR1 set a flag; `stop_agreed()` all-reduces it at a step
+  boundary so every rank stops at the same step and writes the last-gasp checkpoint;
+- stacks: SIGUSR2 makes faulthandler write every thread's stack to the rank's log;
+- the in-memory snapshot store, the loss guard and the injected faults of a drill;
+- rank 0's timeline events (resilience/goodput.py) for the goodput account.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import math
+import os
+import signal
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from wanka.config import JobConfig
+from wanka.resilience.chaos import WorkerChaos
+from wanka.resilience.heartbeat import NullReporter, Reporter
+
+log = logging.getLogger("wanka.train")
+
+
+class Preempted(Exception):
+    """All ranks stopped on request after writing a checkpoint; the supervisor must not retry."""
+
+
+class LossGuard:
+    """Non-finite loss or gradient norm, or a loss above `spike_factor` x its running mean.
+    The caller retries the step once (a transient fault leaves no trace) and skips the batch if
+    it is bad again. Every rank sees the same global loss and norm, so all decide alike."""
+
+    def __init__(self, spike_factor: float, warmup: int = 20) -> None:
+        self.spike_factor, self.warmup = spike_factor, warmup
+        self.mean, self.seen = 0.0, 0
+
+    def check(self, loss: float, grad_norm: float) -> str | None:
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return f"non-finite loss {loss} / grad norm {grad_norm}"
+        if (
+            self.spike_factor > 0
+            and self.seen >= self.warmup
+            and loss > self.spike_factor * self.mean
+        ):
+            return f"loss spike {loss:.4f} > {self.spike_factor} x mean {self.mean:.4f}"
+        return None
+
+    def accept(self, loss: float) -> None:
+        self.seen += 1
+        self.mean += (loss - self.mean) / min(self.seen, 50)  # running mean over ~50 steps
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "seen": self.seen}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.mean, self.seen = s["mean"], s["seen"]
+
+
+class Runtime:
+    def __init__(self, cfg: JobConfig, rank: int) -> None:
+        env = os.environ
+        self.cfg, self.rank = cfg, rank
+        self.supervised = env.get("WANKA_SUPERVISED") == "1"
+        # Under plain torchrun (the drills' baseline) the agent's restart count is the attempt.
+        self.attempt = int(env.get("WANKA_ATTEMPT", env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        self.job_id = env.get("WANKA_JOB_ID", "")
+        self.node = env.get("WANKA_NODE") or os.uname().nodename
+        self.launch_time = float(env.get("WANKA_LAUNCH_TIME", "0") or 0)
+        hb = env.get("WANKA_HB_DIR")
+        self.progress = Reporter(Path(hb), rank, self.attempt) if hb else NullReporter()
+        run_dir = Path(cfg.run.dir)
+        self.chaos = WorkerChaos(env.get("WANKA_CHAOS", ""), rank, run_dir / "resilience" / "chaos")
+        self.timeline = None
+        if rank == 0 and (self.supervised or env.get("WANKA_TIMELINE") == "1"):
+            from wanka.resilience.goodput import TimelineWriter
+
+            self.timeline = TimelineWriter(run_dir / "resilience" / "timeline.jsonl", self.attempt)
+        self.guard = LossGuard(cfg.resilience.spike_factor)
+        self._stop = False
+        if cfg.resilience.last_gasp:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_stop_signal)
+        self._stack_file = None
+
+    def _on_stop_signal(self, signum, frame) -> None:
+        self._stop = True  # acted on at the next step boundary, by every rank together
+
+    def enable_stack_dumps(self, log_path: Path) -> None:
+        self._stack_file = open(log_path, "a")  # noqa: SIM115 - lives as long as the process
+        faulthandler.register(signal.SIGUSR2, file=self._stack_file, all_threads=True)
+
+    def stop_agreed(self) -> bool:
+        flag = torch.tensor([float(self._stop)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def span(self, kind: str, **extra):
+        return self.timeline.span(kind, **extra) if self.timeline else nullcontext(extra)
+
+    def event(self, kind: str, t0: float, t1: float | None = None, **extra) -> None:
+        if self.timeline:
+            self.timeline.event(kind, t0, t1, **extra)
+
+    @contextmanager
+    def phase(self, name: str, step: int | None = None):
+        self.progress.enter(name, step)
+        yield
+
+    def snapshot_store(self, world: int, local_world: int, signature: str):
+        """Only under the supervisor: it is what restores from them."""
+        if not (self.supervised and self.cfg.resilience.snapshot_every > 0 and self.job_id):
+            return None
+        from wanka.resilience.snapshot import SnapshotStore
+
+        return SnapshotStore(Path(self.cfg.resilience.snapshot_dir), self.job_id, self.node,
+                             self.rank, world, local_world, self.cfg.resilience.snapshot_replica,
+                             signature)  # fmt: skip

@@ -1,0 +1,83 @@
+"""Supervised `wanka train` through injected faults: same final state as a fault-free run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wanka.resilience.chaos import damage_latest_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def small(tmp: Path, run: str) -> list[str]:
+    sets = ["data.seq_len=64", "train.micro_batch_size=4", "train.steps=12", "train.warmup_steps=2",
+            "model.index_topk=16", "train.eval_every=1000", "data.val_batches=1",
+            "checkpoint.every=4", "checkpoint.keep=3", "run.tensorboard=false",
+            f'run.dir="{tmp / run}"', f'resilience.ledger="{tmp / "faults.sqlite"}"',
+            f'resilience.snapshot_dir="{tmp / "shm"}"']  # fmt: skip
+    return ["configs/demo.toml", "--nproc", "2", *sum((["--set", s] for s in sets), [])]
+
+
+def summary(tmp: Path, run: str) -> dict:
+    return json.loads((tmp / run / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resilience")
+    r = wanka("train", *small(tmp, "ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp, summary(tmp, "ref")["state_digest"]
+
+
+def test_crash_hang_and_nan_recover_to_the_same_state(reference):
+    tmp, digest = reference
+    r = wanka("train", *small(tmp, "chaos"), "--chaos",
+              "kill@step=3,rank=1;stop@step=6,rank=0;nan@step=8,rank=1")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "process_crash (rank 1 died" in r.stderr and "hang (rank 0 made no progress" in r.stderr
+    assert summary(tmp, "chaos")["state_digest"] == digest  # bitwise the fault-free result
+    events = [
+        json.loads(x)
+        for x in (tmp / "chaos" / "resilience" / "timeline.jsonl").read_text().splitlines()
+    ]
+    faults = [e for e in events if e["kind"] == "fault"]
+    assert [f["cause"] for f in faults] == ["process_crash", "hang", "nan"]
+    restores = [e for e in events if e["kind"] == "restore"]
+    assert [x["source"] for x in restores] == ["none", "memory", "memory"]
+    hang = faults[1]
+    assert hang["t1"] - hang["t0"] < 8.0  # SIGSTOP noticed within the learned limit (floor 4 s)
+    rep = wanka("report", str(tmp / "chaos"))
+    assert rep.returncode == 0 and "effective training time" in rep.stdout
+    nodes = wanka("nodes", "--ledger", str(tmp / "faults.sqlite"))
+    assert nodes.returncode == 0 and "hang" in nodes.stdout and "process_crash" in nodes.stdout
+
+
+def test_sigterm_last_gasp_then_resume_past_a_corrupted_checkpoint(reference):
+    tmp, digest = reference
+    r = wanka("train", *small(tmp, "pre"), "--chaos", "sigterm@step=6")
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "run the same command again to resume" in r.stderr
+    ckpts = sorted(p.name for p in (tmp / "pre" / "checkpoints").glob("step-*"))
+    last_gasp = ckpts[-1]
+    assert int(last_gasp.split("-")[1]) >= 6  # no step lost: saved where all ranks stopped
+    assert damage_latest_checkpoint(tmp / "pre" / "checkpoints", "truncate_ckpt")
+    r = wanka("train", *small(tmp, "pre"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (
+        tmp / "pre" / "checkpoints" / last_gasp / "CORRUPT"
+    ).is_file()  # detected, kept, skipped
+    assert summary(tmp, "pre")["state_digest"] == digest
+
+
+def test_user_error_is_not_retried(tmp_path):
+    r = wanka("train", *small(tmp_path, "bad"), "--set", 'data.path="/nonexistent/data"')
+    assert r.returncode == 2 and "restart" not in r.stderr

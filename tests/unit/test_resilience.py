@@ -1,0 +1,135 @@
+"""Heartbeats, learned time-outs, hang culprits, chaos schedules, checkpoint integrity, loss guard."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from wanka.resilience.chaos import WorkerChaos, damage_latest_checkpoint, parse_schedule
+from wanka.resilience.heartbeat import Reporter, read_all
+from wanka.resilience.monitor import HangMonitor, Timeouts, process_state
+from wanka.resilience.worker import LossGuard
+from wanka.train.checkpoint import MARKER, complete_checkpoints, verify, write_manifest
+
+
+def test_heartbeat_roundtrip_and_phase_maxima(tmp_path):
+    rep = Reporter(tmp_path, rank=3, attempt=2)
+    rep.enter("forward", step=7)
+    time.sleep(0.05)
+    rep.enter("backward")
+    beats = read_all(tmp_path)
+    b = beats[3]
+    assert (b.pid, b.attempt, b.step, b.phase) == (os.getpid(), 2, 7, "backward")
+    assert b.max_seconds["forward"] >= 0.05 and b.max_seconds["eval"] == 0.0
+    (tmp_path / "rank4.hb").write_bytes(b"torn")  # a half-written file is skipped, not fatal
+    assert set(read_all(tmp_path)) == {3}
+
+
+def test_timeouts_learn_floor_and_persist(tmp_path):
+    t = Timeouts(tmp_path / "t.json", factor=3.0, floor=4.0, initial=120.0)
+    assert t.limit("forward") == 120.0  # nothing seen yet: generous
+    rep = Reporter(tmp_path / "hb", 0, 1)
+    rep.max_seconds[3] = 0.5  # forward took 0.5 s at most
+    rep.max_seconds[4] = 2.0  # backward 2 s
+    rep.enter("data")
+    t.observe(read_all(tmp_path / "hb").values())
+    assert t.limit("forward") == 4.0  # 3 x 0.5 is below the floor
+    assert t.limit("backward") == pytest.approx(6.0)
+    t.save()
+    again = Timeouts(tmp_path / "t.json", 3.0, 4.0, 120.0)  # a restart starts from what was learned
+    assert again.limit("backward") == pytest.approx(6.0)
+
+
+def test_hang_culprit_is_the_stopped_rank(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        for _ in range(50):
+            if process_state(sleeper.pid) == "T":
+                break
+            time.sleep(0.02)
+        t = Timeouts(tmp_path / "t.json", 3.0, 1.0, 1.0)
+        mon = HangMonitor(t)
+        # rank 0 (this process, running) entered its phase earlier than the stopped rank 1:
+        # the stopped one is still the culprit.
+        from wanka.resilience.heartbeat import Beat
+
+        now = time.time()
+        beats = {0: Beat(0, os.getpid(), 1, 5, "forward", now - 10, now, {}),
+                 1: Beat(1, sleeper.pid, 1, 5, "backward", now - 3, now, {})}  # fmt: skip
+        hang = mon.check(beats, now)
+        assert hang is not None and hang.rank == 1 and hang.state == "T"
+        assert "SIGSTOP" in hang.describe()
+        assert mon.check({0: beats[0]}, now - 9.5) is None  # within the limit: no hang
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert process_state(sleeper.pid) is None
+
+
+def test_chaos_schedule_parsing_and_errors(tmp_path):
+    fs = parse_schedule("kill@step=3,rank=1; stop@t=2.5 ;slow@step=4,rank=0,ms=50,steps=2")
+    assert [(f.kind, f.step, f.t, f.rank) for f in fs] == [("kill", 3, None, 1),
+                                                            ("stop", None, 2.5, 0), ("slow", 4, None, 0)]  # fmt: skip
+    assert fs[2].params == {"ms": 50, "steps": 2}
+    for bad, msg in [("explode@step=1", "unknown kind"), ("kill@rank=1", "say when"),
+                     ("kill@step=x", "key=number")]:  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            parse_schedule(bad)
+    w = WorkerChaos("nan@step=2,rank=1,id=0;slow@step=4,rank=1,ms=50,steps=2,id=1", 1, tmp_path)
+    assert not w.nan_now(1) and w.nan_now(2) and not w.nan_now(2)  # fires once
+    assert (tmp_path / "0.fired").exists()
+    assert [w.delay(s) for s in (3, 4, 5, 6)] == [0.0, 0.05, 0.05, 0.0]
+
+
+def _fake_checkpoint(root, step, payload=b"x" * 4000):
+    d = root / f"step-{step:08d}"
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(payload)
+    (d / ".metadata").write_bytes(b"meta")
+    write_manifest(d, step)
+    return d
+
+
+@pytest.mark.parametrize("damage", ["corrupt_ckpt", "truncate_ckpt"])
+def test_integrity_detects_damage(tmp_path, damage):
+    good = _fake_checkpoint(tmp_path, 1)
+    newest = _fake_checkpoint(tmp_path, 2)
+    assert verify(good) is None and verify(newest) is None
+    assert json.loads((newest / MARKER).read_text())["files"]["__0_0.distcp"][0] == 4000
+    assert damage_latest_checkpoint(tmp_path, damage)
+    problem = verify(newest)
+    assert problem is not None and (
+        "truncated" in problem if damage == "truncate_ckpt" else "checksum" in problem
+    )
+    assert verify(good) is None
+    assert complete_checkpoints(tmp_path)[-1] == newest  # still listed until latest_valid flags it
+
+
+def test_latest_valid_skips_and_flags_damaged(tmp_path):
+    from wanka.train.checkpoint import CORRUPT, Checkpointer
+
+    _fake_checkpoint(tmp_path, 1)
+    newest = _fake_checkpoint(tmp_path, 2)
+    damage_latest_checkpoint(tmp_path, "corrupt_ckpt")
+    ck = Checkpointer.__new__(Checkpointer)
+    ck.root, ck.is_main, ck.skipped = tmp_path, True, []
+    assert ck.latest_valid().name == "step-00000001"
+    assert (newest / CORRUPT).is_file() and newest.exists()  # kept for inspection, never loaded
+    assert len(ck.skipped) == 1 and "step-00000002" in ck.skipped[0]
+
+
+def test_loss_guard():
+    g = LossGuard(spike_factor=3.0, warmup=3)
+    assert g.check(float("nan"), 1.0) and g.check(1.0, float("inf"))
+    for _ in range(3):
+        assert g.check(2.0, 1.0) is None
+        g.accept(2.0)
+    assert g.check(5.0, 1.0) is None and "spike" in g.check(7.0, 1.0)
+    g2 = LossGuard(3.0, 3)
+    g2.load_state_dict(g.state_dict())
+    assert g2.check(7.0, 1.0) is not None
