@@ -1,11 +1,12 @@
-"""CPU benchmark: dense_attention and lightning_indexer, reference vs CPU backends.
+"""CPU benchmark: dense_attention, lightning_indexer and the dense warm-up indexer KL
+(indexer_kl), reference vs CPU / chunked backends.
 
 Each case runs in a fresh subprocess: inputs are built, then 1 warm-up + `--repeats` timed
 runs; reported are the median time and the peak RSS growth over the RSS after input creation
 (ru_maxrss, so it includes autograd's saved tensors and backward temporaries).
 
     python benchmarks/indexer_dense_cpu.py                 # all default cases
-    python benchmarks/indexer_dense_cpu.py --only dense    # or: --only indexer
+    python benchmarks/indexer_dense_cpu.py --only dense    # or: --only indexer, --only kl
     python benchmarks/indexer_dense_cpu.py --big-indexer   # adds 64 heads x 128 (slow)
 """
 
@@ -29,6 +30,8 @@ def run_case(case: dict) -> dict:
 
     from wanka.ops.dense_attention import cpu as dense_cpu
     from wanka.ops.dense_attention import reference as dense_ref
+    from wanka.ops.indexer_kl import chunked as kl_chunked
+    from wanka.ops.indexer_kl import reference as kl_ref
     from wanka.ops.lightning_indexer import cpu as idx_cpu
     from wanka.ops.lightning_indexer import reference as idx_ref
 
@@ -48,6 +51,19 @@ def run_case(case: dict) -> dict:
             out = fn(q, k, v, doc, D**-0.5)
             if bwd:
                 out.sum().backward()
+    elif case["op"] == "kl":  # attention H x D (target, no grad), indexer 4 x 32
+        H, D, Hi, Di = case["H"], case["D"], 4, 32
+        q, k = torch.randn(B, L, H, D), torch.randn(B, L, D)
+        qi = torch.randn(B, L, Hi, Di, requires_grad=bwd)
+        ki = torch.randn(B, L, Di, requires_grad=bwd)
+        wi = torch.randn(B, L, Hi, requires_grad=bwd)
+        fn = kl_ref.indexer_kl if case["impl"] == "reference" else kl_chunked.indexer_kl
+
+        def step():
+            with torch.set_grad_enabled(bwd):
+                kl = fn(q, k, qi, ki, wi, doc, D**-0.5)
+                if bwd:
+                    kl.backward()
     else:
         Hi, Di, K = case["H"], case["D"], case["topk"]
         q = torch.randn(B, L, Hi, Di, requires_grad=bwd)
@@ -89,12 +105,17 @@ def cases(only: str | None, big_indexer: bool, repeats: int) -> list[dict]:
             for mode in ("fwd", "fwd+bwd"):
                 out.append(dict(op="indexer", impl="cpu", L=8192, H=64, D=128,
                                 topk=2048, docs=1, mode=mode, repeats=1))  # fmt: skip
+    if only in (None, "kl"):
+        for L in (2048, 4096):
+            for impl in ("reference", "chunked"):
+                out.append(dict(op="kl", impl=impl, L=L, H=16, D=64, docs=1,
+                                mode="fwd+bwd", repeats=repeats))  # fmt: skip
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["dense", "indexer"])
+    ap.add_argument("--only", choices=["dense", "indexer", "kl"])
     ap.add_argument("--big-indexer", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON

@@ -71,7 +71,7 @@ class _IndexerTimer:
     """Time everything the indexer costs in a step: the lightning_indexer op (forward, and its
     backward through a hook pair on its output) and the KL target (attention_probs)."""
 
-    OPS = ("lightning_indexer", "indexer_scores", "attention_probs")
+    OPS = ("lightning_indexer", "indexer_scores", "attention_probs", "indexer_kl")
 
     def __init__(self) -> None:
         self.seconds = 0.0

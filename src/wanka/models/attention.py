@@ -88,10 +88,10 @@ class Attention(nn.Module):
                                   indices=indices)  # fmt: skip
                 kl_sum = _kl(target, sel_scores)
             else:
-                # Dense warm-up (or a sequence no longer than k): learn the full distribution.
-                scores = ops.call("indexer_scores", qi, ki, wi, doc_ids)
-                target = ops.call("attention_probs", q.detach(), k.detach(), doc_ids, self.scale)
-                kl_sum = _kl(target, scores)
+                # Dense warm-up (or a sequence no longer than k): learn the full distribution
+                # (the op computes it over blocks of queries: no [L, L] matrix).
+                kl_sum = ops.call("indexer_kl", q.detach(), k.detach(), qi, ki, wi, doc_ids,
+                                  self.scale)  # fmt: skip
 
         if sparse and phase == "sparse":
             if indices is None:

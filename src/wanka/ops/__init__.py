@@ -1,6 +1,12 @@
 """Ops the model calls. Importing this package registers every backend."""
 
-from wanka.ops import dense_attention, lightning_indexer, moe_dispatch, sparse_attention  # noqa: F401
+from wanka.ops import (  # noqa: F401
+    dense_attention,
+    indexer_kl,
+    lightning_indexer,
+    moe_dispatch,
+    sparse_attention,
+)
 from wanka.ops.registry import call, select
 
 __all__ = ["call", "select"]

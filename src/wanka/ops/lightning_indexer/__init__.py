@@ -1,1 +1,2 @@
-from wanka.ops.lightning_indexer import cpu, reference  # noqa: F401
+from wanka.ops.lightning_indexer import cpu, npu, reference  # noqa: F401
+from wanka.ops.lightning_indexer import triton as _triton  # noqa: F401

@@ -1,0 +1,1 @@
+from wanka.ops.indexer_kl import chunked, reference  # noqa: F401

@@ -1,0 +1,44 @@
+"""Dense warm-up indexer loss: KL(dense attention || indexer) over all visible keys.
+
+The base implementation, and the definition of correct: the indexer's full [B, L, L] score
+matrix (`indexer_scores`) against the full attention target (`attention_probs`, [B, L, H, L]
+logits). O(L^2) memory; the `chunked` backend computes the same value and gradients one
+block of queries at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from wanka.ops.dense_attention.reference import attention_probs
+from wanka.ops.lightning_indexer.reference import indexer_scores
+from wanka.ops.registry import register
+
+
+def kl_sum(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """sum over queries of KL(target || softmax(scores)); -inf scores are empty/invisible keys."""
+    hidden = torch.isinf(scores)
+    logq = F.log_softmax(scores.float(), dim=-1).masked_fill(hidden, 0.0)
+    p = target.masked_fill(hidden, 0.0)
+    return (torch.xlogy(p, p) - p * logq).sum()
+
+
+@register("indexer_kl", "reference")
+def indexer_kl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    qi: torch.Tensor,
+    ki: torch.Tensor,
+    wi: torch.Tensor,
+    doc_ids: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, L, H, D], k [B, L, D]: the attention's queries and single key head (the target,
+    no gradient); qi [B, L, Hi, Di], ki [B, L, Di], wi [B, L, Hi]: the indexer's (gradient).
+    -> scalar float32: sum over the B * L queries of KL(target || softmax(indexer scores)),
+    both over the visible keys (causal, same document); the target is the attention
+    distribution summed over the H heads and renormalised."""
+    scores = indexer_scores(qi, ki, wi, doc_ids)
+    target = attention_probs(q, k, doc_ids, scale)
+    return kl_sum(target, scores)
