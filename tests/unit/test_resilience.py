@@ -10,8 +10,8 @@ import time
 import pytest
 
 from wanka.resilience.chaos import WorkerChaos, damage_latest_checkpoint, parse_schedule
-from wanka.resilience.heartbeat import Reporter, read_all
-from wanka.resilience.monitor import HangMonitor, Timeouts, process_state
+from wanka.resilience.heartbeat import PHASE_ID, Beat, Reporter, read_all
+from wanka.resilience.monitor import HangMonitor, Timeouts, process_state, stragglers
 from wanka.resilience.worker import LossGuard
 from wanka.train.checkpoint import MARKER, complete_checkpoints, verify, write_manifest
 
@@ -33,8 +33,8 @@ def test_timeouts_learn_floor_and_persist(tmp_path):
     t = Timeouts(tmp_path / "t.json", factor=3.0, floor=4.0, initial=120.0)
     assert t.limit("forward") == 120.0  # nothing seen yet: generous
     rep = Reporter(tmp_path / "hb", 0, 1)
-    rep.max_seconds[3] = 0.5  # forward took 0.5 s at most
-    rep.max_seconds[4] = 2.0  # backward 2 s
+    rep.max_seconds[PHASE_ID["forward"]] = 0.5  # forward took 0.5 s at most
+    rep.max_seconds[PHASE_ID["backward"]] = 2.0  # backward 2 s
     rep.enter("data")
     t.observe(read_all(tmp_path / "hb").values())
     assert t.limit("forward") == 4.0  # 3 x 0.5 is below the floor
@@ -56,8 +56,6 @@ def test_hang_culprit_is_the_stopped_rank(tmp_path):
         mon = HangMonitor(t)
         # rank 0 (this process, running) entered its phase earlier than the stopped rank 1:
         # the stopped one is still the culprit.
-        from wanka.resilience.heartbeat import Beat
-
         now = time.time()
         beats = {0: Beat(0, os.getpid(), 1, 5, "forward", now - 10, now, {}),
                  1: Beat(1, sleeper.pid, 1, 5, "backward", now - 3, now, {})}  # fmt: skip
@@ -133,3 +131,27 @@ def test_loss_guard():
     g2 = LossGuard(3.0, 3)
     g2.load_state_dict(g.state_dict())
     assert g2.check(7.0, 1.0) is not None
+
+
+def test_young_daly_schedule():
+    from wanka.train.checkpoint import SaveSchedule
+
+    fixed = SaveSchedule(every=5, mtbf_s=100.0, start=0)
+    assert [s for s in range(1, 16) if fixed.due(s)] == [5, 10, 15]
+    auto = SaveSchedule(every=0, mtbf_s=200.0, start=3)
+    assert not auto.due(12) and auto.due(13)  # an early save measures the cost
+    auto.saved(13, save_s=1.0, step_s=0.5)  # sqrt(2 x 1 x 200) - 1 = 19 s = 38 steps
+    assert auto.interval_steps == 38 and not auto.due(50) and auto.due(51)
+    auto.saved(51, save_s=4.0, step_s=0.5)  # costlier saves -> rarer: sqrt(1600) - 4 = 36 s
+    assert auto.interval_steps == 72
+
+
+def test_straggler_in_data_loading_is_flagged_not_the_waiting_peers():
+    now = time.time()
+    fast = {"data": 0.01}
+    beats = {0: Beat(0, 1, 1, 9, "sync", now - 0.8, now, fast),  # waits for rank 1
+             1: Beat(1, 2, 1, 9, "data", now - 0.8, now, {"data": 0.8}),
+             2: Beat(2, 3, 1, 9, "sync", now - 0.8, now, fast)}  # fmt: skip
+    assert stragglers(beats, now) == [1]
+    beats[1] = Beat(1, 2, 1, 9, "data", now - 0.04, now, {"data": 0.04})
+    assert stragglers(beats, now) == []  # 4x the others, under the floor: normal jitter

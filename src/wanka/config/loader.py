@@ -166,8 +166,10 @@ def validate(cfg: JobConfig) -> None:
                           "leave some sparse steps or set train.phase='dense_warmup'")  # fmt: skip
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.min_lr_ratio", "must be in [0, 1]")
-    if cfg.checkpoint.every <= 0:
-        raise ConfigError("checkpoint.every", "must be positive")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError("checkpoint.every", "must be >= 0 (0 = Young/Daly interval)")
+    if cfg.checkpoint.mtbf_s <= 0:
+        raise ConfigError("checkpoint.mtbf_s", "must be positive")
     if t.eval_every <= 0:
         raise ConfigError("train.eval_every", "must be positive")
     r = cfg.resilience

@@ -82,7 +82,8 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     enable: bool = True
-    every: int = 100
+    every: int = 100  # steps; 0 = Young/Daly interval from the measured save cost and MTBF
+    mtbf_s: float = 86400.0  # assumed mean time between faults when the ledger has no history
     async_save: bool = False
     keep: int = 2
     load: str = "latest"  # "latest", "none", or a checkpoint directory

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("init", "restore", "data", "forward", "backward", "optimizer", "snapshot",
+PHASES = ("init", "restore", "data", "sync", "forward", "backward", "optimizer", "snapshot",
           "checkpoint", "eval", "done")  # fmt: skip
 PHASE_ID = {p: i for i, p in enumerate(PHASES)}
 _MAGIC = b"WKHB"

@@ -86,6 +86,20 @@ class HangMonitor:
                     self.timeouts.limit(culprit.phase), states[culprit.rank])  # fmt: skip
 
 
+def stragglers(
+    beats: dict[int, Beat], now: float, factor: float = 5.0, floor_s: float = 0.1
+) -> list[int]:
+    """Ranks slow in a phase with no collective in it (data loading): a straggler there holds
+    every other rank back at the next collective, so it shows up nowhere else. Slow = in `data`
+    for longer than `factor` x the longest any *other* rank ever needed, and over `floor_s`."""
+    slow = []
+    for b in beats.values():
+        others = [o.max_seconds.get("data", 0.0) for o in beats.values() if o.rank != b.rank]
+        if b.phase == "data" and others and now - b.since > max(floor_s, factor * max(others)):
+            slow.append(b.rank)
+    return slow
+
+
 def process_state(pid: int) -> str | None:
     """One letter from /proc/PID/stat (R, S, D, T, Z ...), None if the process is gone."""
     try:

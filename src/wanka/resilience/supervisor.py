@@ -32,7 +32,7 @@ from wanka.resilience.chaos import ChaosDriver, Fault
 from wanka.resilience.goodput import TimelineWriter
 from wanka.resilience.heartbeat import exit_code, node_of, read_all
 from wanka.resilience.ledger import EvictionPolicy, FaultLedger
-from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state
+from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state, stragglers
 
 log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
@@ -132,7 +132,7 @@ class Supervisor:
             old.unlink()
         env = {"WANKA_SUPERVISED": "1", "WANKA_ATTEMPT": str(attempt), "WANKA_JOB_ID": self.job,
                "WANKA_HB_DIR": str(hb_dir), "WANKA_NODE": self.node,
-               "WANKA_LAUNCH_TIME": repr(time.time()),
+               "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
                "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
         out = Outcome("success")
         stop = threading.Event()
@@ -163,6 +163,13 @@ class Supervisor:
         if out.node is None and out.rank is not None:
             out.node = node_of(hb_dir, out.rank)
         return out
+
+    def _mtbf(self) -> float:
+        """Mean time between faults on this job's nodes over the last day, from the ledger."""
+        day = time.time() - 86400
+        nodes = [n.name for n in self.cluster.nodes] if self.cluster else [self.node]
+        n = sum(len(self.ledger.faults(node, since=day)) for node in nodes)
+        return 86400.0 / n if n else self.cfg.checkpoint.mtbf_s
 
     def active_nodes(self) -> list:
         evicted = self.ledger.evicted()
@@ -203,12 +210,17 @@ class Supervisor:
     def _watch(self, hb_dir: Path, attempt: int, out: Outcome, stop: threading.Event) -> None:
         """Poll heartbeats: learn time-outs, drive chaos, catch dead and hung ranks."""
         monitor = HangMonitor(self.timeouts)
+        flagged: set[int] = set()
         while not stop.wait(0.05):
             now = time.time()
             beats = {r: b for r, b in read_all(hb_dir).items() if b.attempt == attempt}
             self.timeouts.observe(beats.values())
             out.max_step = max([out.max_step, *(b.step for b in beats.values())])
             self.chaos.poll(beats, now, attempt)
+            for r in stragglers(beats, now):
+                if r not in flagged:  # recorded once per attempt; the job goes on
+                    flagged.add(r)
+                    self._record_slow(r, node_of(hb_dir, r), beats[r], now)
             dead = [
                 b
                 for b in beats.values()
@@ -318,6 +330,15 @@ class Supervisor:
             self._warned.add(node)
             print(f"wanka train: node {node} meets the eviction policy ({reason[:80]}) but no other "
                   "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
+
+    def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
+        node = node or self.node
+        detail = f"rank {rank} spent {now - beat.since:.2f} s loading data for step {beat.step}"
+        self.timeline.event("fault", beat.since, now, cause="slow", rank=rank, node=node,
+                            detail=detail, injected=False)  # fmt: skip
+        self.ledger.record(self.job, node, rank, "slow", beat.step, detail)
+        print(f"wanka train: straggler: {detail} (node {node}); recorded in the fault ledger",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def _preflight(self, live: bool) -> int:
         from wanka.resilience.preflight import preflight

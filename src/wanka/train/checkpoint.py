@@ -200,3 +200,33 @@ class Checkpointer:
                        optim_state_dict=state["optim"])  # fmt: skip
         torch.set_rng_state(state["train"]["rng"])
         return state["train"]
+
+
+class SaveSchedule:
+    """When to write persistent checkpoints. every > 0: every N steps. every == 0: the
+    Young/Daly optimum, T = sqrt(2 x C x MTBF) - C seconds of training between saves, where C
+    is the measured cost of a save (slowest rank) and MTBF comes from the fault ledger (or
+    checkpoint.mtbf_s); re-planned after every save, identically on every rank."""
+
+    FIRST_AUTO_SAVE = 10  # an early save measures C
+
+    def __init__(self, every: int, mtbf_s: float, start: int) -> None:
+        self.every, self.mtbf_s = every, mtbf_s
+        self.next = start + self.FIRST_AUTO_SAVE if every == 0 else None
+        self.interval_steps: int | None = every or None
+
+    def due(self, done_steps: int) -> bool:
+        if self.every:
+            return done_steps % self.every == 0
+        return done_steps >= self.next
+
+    def saved(self, done_steps: int, save_s: float, step_s: float) -> None:
+        if self.every:
+            return
+        t = torch.tensor([save_s, step_s], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        cost, step_time = max(float(t[0]), 1e-3), max(float(t[1]), 1e-6)
+        interval_s = max((2 * cost * self.mtbf_s) ** 0.5 - cost, cost)
+        self.interval_steps = max(1, round(interval_s / step_time))
+        self.next = done_steps + self.interval_steps

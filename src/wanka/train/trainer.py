@@ -32,7 +32,7 @@ from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
 from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
-from wanka.train.checkpoint import Checkpointer
+from wanka.train.checkpoint import Checkpointer, SaveSchedule
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
 
@@ -156,6 +156,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     if delay := rt.chaos.delay(step):
         time.sleep(delay)  # an injected straggler
 
+    rt.progress.enter("sync", step)  # local data work ends here: a straggler shows in "data"
     # Global target counts first, so each micro-batch's loss is scaled to the global mean.
     counts = torch.tensor([sum(int((b.labels != -100).sum()) for b in micro),
                            sum(_mtp_targets(b, cfg.model.mtp_depth) for b in micro)],
@@ -292,8 +293,10 @@ def run(cfg: JobConfig) -> dict:
              job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
 
     tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
+    mtbf = float(os.environ.get("WANKA_MTBF_S") or cfg.checkpoint.mtbf_s)
+    schedule = SaveSchedule(cfg.checkpoint.every, mtbf, start)
     for step in range(start, cfg.train.steps):
-        rt.progress.enter("data", step)
+        rt.progress.enter("sync", step)
         if rt.stop_agreed():  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
             _last_gasp(job, ckpt, snapshots, step)
         with rt.span("step", step=step):
@@ -314,11 +317,11 @@ def run(cfg: JobConfig) -> dict:
         if snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
             with rt.span("snapshot", step=step), rt.phase("snapshot", step):
                 snapshots.save(step + 1, _snapshot_state(job))
-        if cfg.checkpoint.enable and (
-            (step + 1) % cfg.checkpoint.every == 0 or step + 1 == cfg.train.steps
-        ):
+        if cfg.checkpoint.enable and (schedule.due(step + 1) or step + 1 == cfg.train.steps):
+            t_save = time.perf_counter()
             with rt.span("checkpoint", step=step), rt.phase("checkpoint", step):
                 ckpt.save(step + 1, _train_state(job))
+            schedule.saved(step + 1, time.perf_counter() - t_save, _median(step_times[-20:]))
     rt.progress.enter("checkpoint")
     ckpt.wait()
     if snapshots is not None:
