@@ -153,5 +153,8 @@ def test_straggler_in_data_loading_is_flagged_not_the_waiting_peers():
              1: Beat(1, 2, 1, 9, "data", now - 0.8, now, {"data": 0.8}),
              2: Beat(2, 3, 1, 9, "sync", now - 0.8, now, fast)}  # fmt: skip
     assert stragglers(beats, now) == [1]
-    beats[1] = Beat(1, 2, 1, 9, "data", now - 0.04, now, {"data": 0.04})
-    assert stragglers(beats, now) == []  # 4x the others, under the floor: normal jitter
+    beats[1] = Beat(1, 2, 1, 9, "data", now - 0.2, now, {"data": 0.2})
+    assert stragglers(beats, now) == []  # 20x the others but under the floor: jitter
+    beats[1] = Beat(1, 2, 1, 9, "data", now - 0.4, now, {"data": 0.4})
+    beats[0] = Beat(0, 1, 1, 9, "sync", now - 0.4, now, {"data": 0.1})
+    assert stragglers(beats, now) == []  # over the floor but only 4x the slowest other

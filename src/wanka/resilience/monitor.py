@@ -23,6 +23,10 @@ from pathlib import Path
 from wanka.resilience.heartbeat import Beat
 
 UNWATCHED = ("done",)  # a finished rank waits for the others; that is not a hang
+# Phases whose duration scales with storage and state size rather than with the step: a first
+# quick restore or save must not set a tight limit for a later disk restore or a bigger save.
+IO_PHASES = ("init", "restore", "checkpoint", "eval")
+IO_FLOOR_S = 30.0
 
 
 class Timeouts:
@@ -43,7 +47,8 @@ class Timeouts:
 
     def limit(self, phase: str) -> float:
         seen = self.learned.get(phase, 0.0)
-        return max(self.floor, self.factor * seen) if seen > 0 else self.initial
+        floor = max(self.floor, IO_FLOOR_S) if phase in IO_PHASES else self.floor
+        return max(floor, self.factor * seen) if seen > 0 else self.initial
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -87,7 +92,7 @@ class HangMonitor:
 
 
 def stragglers(
-    beats: dict[int, Beat], now: float, factor: float = 5.0, floor_s: float = 0.1
+    beats: dict[int, Beat], now: float, factor: float = 5.0, floor_s: float = 0.3
 ) -> list[int]:
     """Ranks slow in a phase with no collective in it (data loading): a straggler there holds
     every other rank back at the next collective, so it shows up nowhere else. Slow = in `data`
@@ -121,9 +126,12 @@ def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3) -> None:
         if state in ("T", "t"):
             lines.append("  stopped: no stack can be taken until it is continued")
         elif py_spy:
-            r = subprocess.run([py_spy, "dump", "--pid", str(b.pid)], capture_output=True,
-                               text=True, timeout=10, check=False)  # fmt: skip
-            lines.append(r.stdout or r.stderr)
+            try:
+                r = subprocess.run([py_spy, "dump", "--pid", str(b.pid)], capture_output=True,
+                                   text=True, timeout=5, check=False)  # fmt: skip
+                lines.append(r.stdout or r.stderr)
+            except subprocess.TimeoutExpired:
+                lines.append("  py-spy timed out")
         else:
             try:
                 os.kill(b.pid, signal.SIGUSR2)

@@ -71,14 +71,16 @@ def apply(state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return state["extra"]
 
 
-def layout_signature(model: torch.nn.Module, world_size: int, model_config: str = "") -> str:
-    """Snapshots only fit a job with the same world size, the same shard shapes and the same
-    model config (a changed config must meet the checkpoint loader's guard, not be bypassed)."""
+def layout_signature(model: torch.nn.Module, world_size: int, model_config: str = "",
+                     parallel: str = "") -> str:  # fmt: skip
+    """Snapshots only fit a job with the same world size, parallel layout (which, with the
+    global shapes, fixes every rank's shards) and model config (a changed config must meet the
+    checkpoint loader's guard, not bypass it)."""
     import hashlib
 
     # Global shapes (equal on every rank) + world size determine every rank's local shards.
     shapes = ",".join(f"{k}:{tuple(v.shape)}" for k, v in model.state_dict().items())
-    digest = hashlib.sha256((shapes + "|" + model_config).encode()).hexdigest()[:12]
+    digest = hashlib.sha256("|".join((shapes, model_config, parallel)).encode()).hexdigest()[:12]
     return f"w{world_size}-{digest}"
 
 
@@ -101,6 +103,9 @@ class SnapshotStore:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="wanka-snapshot", daemon=True)
         self._thread.start()
+        for d in (self.dir, self.dir.parent / f"replica-rank{self.recv_from}"):
+            for tmp in d.glob("*.tmp*") if d.is_dir() else ():
+                tmp.unlink(missing_ok=True)  # left by a rank killed mid-write
 
     # -- writing -----------------------------------------------------------------------------
     def save(self, step: int, state: dict) -> None:
@@ -114,9 +119,14 @@ class SnapshotStore:
         if self._error is not None:
             raise RuntimeError(f"snapshot writer failed: {self._error}")
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
+        """Stop the writer; `discard` (the job finished) frees this rank's shared memory."""
         self.wait()
         self._queue.put(None)
+        if discard:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            if self.recv_from is not None:
+                shutil.rmtree(self.dir.parent / f"replica-rank{self.recv_from}", ignore_errors=True)
 
     def _loop(self) -> None:
         while True:
@@ -128,10 +138,12 @@ class SnapshotStore:
                 buf = io.BytesIO()
                 torch.save(state, buf)
                 payload = buf.getvalue()
-                _atomic_write(self.dir / self._name(step), payload)
-                self._prune(self.dir)
+                # Exchange first: the buddy waits for us even if our own write then fails
+                # (full tmpfs); the failure surfaces as this rank's error, not as a hang.
                 if self._group is not None:
                     self._exchange(step, payload)
+                _atomic_write(self.dir / self._name(step), payload)
+                self._prune(self.dir)
             except BaseException as e:  # surfaced on the next save() in the training thread
                 self._error = e
                 log.error("snapshot writer: %s", e)

@@ -37,6 +37,7 @@ from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process
 log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a last-gasp checkpoint; relaunch
+STRAGGLER_STEPS = 3  # slow in this many steps = a straggler
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Outcome:
     max_step: int = -1  # highest step any rank started in this attempt
     codes: list[int] = field(default_factory=list)
     node: str | None = None  # where it happened, when known
+    confirmed: bool = False  # preempted: every rank wrote its part of the last-gasp checkpoint
 
 
 def resilience_dir(run_dir: Path) -> Path:
@@ -98,6 +100,7 @@ class Supervisor:
         self.chaos = ChaosDriver(chaos or [], self.run_dir, self.job, self.rc.snapshot_dir,
                                  self.timeline)  # fmt: skip
         self.outcomes: list[Outcome] = []
+        self.attempt = 0
         self.cluster = None
         if cluster_state is not None:
             from wanka.cluster.state import require
@@ -113,7 +116,12 @@ class Supervisor:
         from wanka.distributed.launch import torchrun_args
 
         config, _, _ = config_from_args(parse_args(torchrun_args(self.nproc, self.rdzv, ["x"])))
-        config.start_method = "fork"  # the whole point: no interpreter start, no re-import
+        # Fork is the point (no interpreter start, no re-import) but CUDA/NPU state does not
+        # survive a fork: accelerator jobs spawn.
+        from wanka.device import resolve_device_type
+
+        cpu = resolve_device_type(self.cfg.run.device) == "cpu"
+        config.start_method = "fork" if cpu else "spawn"
         config.max_restarts = 0  # restarts are decided here
         config.monitor_interval = 0.05
         config.signals_to_handle = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -150,19 +158,42 @@ class Supervisor:
             out.codes = [f.exitcode for f in e.failures.values()]
         except SignalException as e:
             out.cause, out.detail = "preempted", f"signal {e.sigval}"
+            self._preempt.set()
         finally:
             stop.set()
             watcher.join()
             self.timeouts.save()
-        codes = {exit_code(hb_dir, r) for r in range(64)} - {None}  # what the ranks said on exit
-        if EXIT_PREEMPTED in codes:
+            self._catch_stop_requests()  # the agent left its own handlers behind
+        # What the ranks said on exit. A stop request ends the job whether or not the ranks
+        # managed their last-gasp checkpoint; `confirmed` says whether they did.
+        codes = {exit_code(hb_dir, int(p.stem[4:])) for p in hb_dir.glob("rank*.exit")} - {None}
+        if EXIT_PREEMPTED in codes or self._preempt.is_set():
             out.cause = "preempted"
-        elif EXIT_USER_ERROR in codes:
+        elif EXIT_USER_ERROR in codes and out.cause != "preempted":
             out.cause = "user_error"
+        out.confirmed = EXIT_PREEMPTED in codes
         self._classify(out)
         if out.node is None and out.rank is not None:
             out.node = node_of(hb_dir, out.rank)
         return out
+
+    def _catch_stop_requests(self) -> None:
+        """A stop request between attempts (or on the cluster, where no elastic agent runs in
+        this process) must end the job, not be lost or raise: the local elastic agent installs
+        its own handlers for the length of an attempt."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: self._preempt.set())
+
+    def _fits(self, nodes: int) -> bool:
+        from wanka.distributed.parallel_dims import ParallelDims, ParallelError
+
+        try:
+            ParallelDims.resolve(
+                self.cfg.parallel.dp_shard, self.cfg.parallel.ep, nodes * self.nproc
+            )
+        except ParallelError:
+            return False
+        return True
 
     def _mtbf(self) -> float:
         """Mean time between faults on this job's nodes over the last day, from the ledger."""
@@ -210,47 +241,59 @@ class Supervisor:
     def _watch(self, hb_dir: Path, attempt: int, out: Outcome, stop: threading.Event) -> None:
         """Poll heartbeats: learn time-outs, drive chaos, catch dead and hung ranks."""
         monitor = HangMonitor(self.timeouts)
-        flagged: set[int] = set()
+        flagged: dict[int, set[int]] = {}
         while not stop.wait(0.05):
-            now = time.time()
-            beats = {r: b for r, b in read_all(hb_dir).items() if b.attempt == attempt}
-            self.timeouts.observe(beats.values())
-            out.max_step = max([out.max_step, *(b.step for b in beats.values())])
-            self.chaos.poll(beats, now, attempt)
-            for r in stragglers(beats, now):
-                if r not in flagged:  # recorded once per attempt; the job goes on
-                    flagged.add(r)
+            try:
+                if self._poll(hb_dir, attempt, out, monitor, flagged):
+                    return
+            except Exception as e:  # the monitor must outlive any one bad poll
+                log.error("monitor poll failed: %s", e)
+
+    def _poll(self, hb_dir: Path, attempt: int, out: Outcome, monitor, flagged: dict) -> bool:
+        """One look at the heartbeats; True once a fault was found and the attempt torn down."""
+        now = time.time()
+        beats = {r: b for r, b in read_all(hb_dir).items() if b.attempt == attempt}
+        self.timeouts.observe(beats.values())
+        out.max_step = max([out.max_step, *(b.step for b in beats.values())])
+        self.chaos.poll(beats, now, attempt)
+        for r in stragglers(beats, now):
+            # One slow batch is noise; slow in STRAGGLER_STEPS different steps is a straggler,
+            # recorded once per attempt (the job goes on; the ledger decides about the node).
+            steps = flagged.setdefault(r, set())
+            if len(steps) < STRAGGLER_STEPS:
+                steps.add(beats[r].step)
+                if len(steps) == STRAGGLER_STEPS:
                     self._record_slow(r, node_of(hb_dir, r), beats[r], now)
-            dead = [
-                b
-                for b in beats.values()
-                if b.phase != "done" and process_state(b.pid) in ("Z", "X", None)
-            ]
-            hang = None if dead else monitor.check(beats, now)
-            if not dead and hang is None:
-                continue
-            if dead:
-                b = min(dead, key=lambda b: b.rank)
-                out.cause, out.rank = "process_crash", b.rank
-                out.detail = f"rank {b.rank} died in {b.phase} of step {b.step}"
-                if b.step < 0:
-                    out.cause = "startup_failure"
-                    out.detail = f"rank {b.rank} died while starting ({b.phase})"
-                if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
-                    out.cause = "user_error"  # it said why in one line; retrying cannot help
-                out.t_fault = self.chaos.fault_time(b.rank) or now
-            else:
-                out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
-                out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
-                dump_stacks(beats, self.run_dir / "logs" / f"stacks-attempt{attempt}.txt")
-            out.t_detect = now
-            out.node = node_of(hb_dir, out.rank)
-            for b in beats.values():  # tear the attempt down now: the agent would wait for gloo
-                try:
-                    os.kill(b.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            return
+        dead = [
+            b
+            for b in beats.values()
+            if b.phase != "done" and process_state(b.pid) in ("Z", "X", None)
+        ]
+        hang = None if dead else monitor.check(beats, now)
+        if not dead and hang is None:
+            return False
+        if dead:
+            b = min(dead, key=lambda b: b.rank)
+            out.cause, out.rank = "process_crash", b.rank
+            out.detail = f"rank {b.rank} died in {b.phase} of step {b.step}"
+            if b.step < 0:
+                out.cause = "startup_failure"
+                out.detail = f"rank {b.rank} died while starting ({b.phase})"
+            if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
+                out.cause = "user_error"  # it said why in one line; retrying cannot help
+            out.t_fault = self.chaos.fault_time(b.rank) or now
+        else:
+            out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
+            out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
+            dump_stacks(beats, self.run_dir / "logs" / f"stacks-attempt{attempt}.txt")
+        out.t_detect = now
+        out.node = node_of(hb_dir, out.rank)
+        for b in beats.values():  # tear the attempt down now: the agent would wait for gloo
+            try:
+                os.kill(b.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -258,16 +301,14 @@ class Supervisor:
 
         t_job = time.time()
         self.timeline.event("job", t_job, None, job=self.job, node=self.node)
-        if self.cluster is not None:  # no elastic agent here to catch the notice: forward it
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, lambda *_: self._preempt.set())
+        self._catch_stop_requests()
         if self.rc.preflight != "off":
             rc = self._preflight(live=self.rc.preflight == "full")
             if rc:
                 return rc
         attempt, failures, stalled, last_max = 0, 0, 0, -1
         rc = 1
-        while True:
+        while not self._preempt.is_set():
             attempt += 1
             self.timeline.attempt = attempt
             out = self._attempt(attempt)
@@ -278,13 +319,15 @@ class Supervisor:
             if out.cause == "user_error":
                 rc = EXIT_USER_ERROR
                 break
-            if out.cause == "preempted":
+            if out.cause == "preempted" or self._preempt.is_set():
                 now = time.time()
                 self.timeline.event("fault", self.chaos.sigterm_time or now, now, cause="preempted",
                                     rank=None, node=self.node, detail=out.detail,
                                     injected=self.chaos.sigterm_time is not None)  # fmt: skip
-                print(f"wanka train: stopped on request ({out.detail}) after a checkpoint; run "
-                      "the same command again to resume", file=sys.stderr)  # fmt: skip
+                how = ("after a last-gasp checkpoint" if out.confirmed else
+                       "without a last-gasp checkpoint (it resumes from the newest snapshot or checkpoint)")  # fmt: skip
+                print(f"wanka train: stopped on request ({out.detail}) {how}; run the same "
+                      "command again to resume", file=sys.stderr)  # fmt: skip
                 rc = EXIT_PREEMPTED
                 break
             self._record_fault(out, attempt)
@@ -304,6 +347,9 @@ class Supervisor:
             print(f"wanka train: {out.cause} ({out.detail}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)
+            if self.rc.preflight != "off" and self._preflight(live=False):
+                rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
+                break
             self.timeline.event(
                 "restart", out.t_detect or time.time(), time.time(), cause=out.cause
             )
@@ -320,7 +366,12 @@ class Supervisor:
         reason = self.ledger.evaluate(node, self.policy)
         if not reason:
             return
-        if self.cluster is not None and len(self.active_nodes()) > 1:
+        left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
+        if left and not self._fits(len(left)):
+            print(f"wanka train: node {node} meets the eviction policy ({reason[:80]}) but "
+                  f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
+                  f"x ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
+        elif left:
             self.ledger.evict(node, reason)
             left = ", ".join(n.name for n in self.active_nodes())
             print(f"wanka train: evicting node {node} ({reason}); continuing on {left}",
@@ -344,6 +395,8 @@ class Supervisor:
         from wanka.resilience.preflight import preflight
 
         nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
+        if self.cluster is not None:
+            nnodes = len(self.active_nodes())
         t0 = time.time()
         report = preflight(self.cfg, self.nproc, nnodes=nnodes, live=live, rdzv=self.rdzv)
         self.timeline.event("preflight", t0, time.time(), ok=report.ok)

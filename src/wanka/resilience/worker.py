@@ -83,6 +83,7 @@ class Runtime:
 
             self.timeline = TimelineWriter(run_dir / "resilience" / "timeline.jsonl", self.attempt)
         self.guard = LossGuard(cfg.resilience.spike_factor)
+        self.skipped_in_a_row = 0
         self._stop = False
         if cfg.resilience.last_gasp:
             for sig in (signal.SIGTERM, signal.SIGUSR1):

@@ -113,18 +113,21 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         path = step_dir(self.root, step)
-        if self.is_main and path.exists():  # rewriting a step: it is not complete until done again
-            (path / MARKER).unlink(missing_ok=True)
+        # Written beside the final name and renamed into place when complete: a step saved
+        # again (say, after a resume) never exposes a half-rewritten directory.
+        partial = self.root / f".partial-{path.name}"
+        if self.is_main and partial.exists():
+            shutil.rmtree(partial)
         if dist.is_initialized():
             dist.barrier()
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
         if self.async_save:
-            fut = dcp.async_save(state, checkpoint_id=str(path), process_group=self._async_group)
-            self._pending = (fut, path, step)
+            fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
+            self._pending = (fut, partial, step)
         else:
-            dcp.save(state, checkpoint_id=str(path))
-            self._finish(path, step)
+            dcp.save(state, checkpoint_id=str(partial))
+            self._finish(partial, step)
         self.last_save_seconds = time.perf_counter() - t0
         return path
 
@@ -136,13 +139,19 @@ class Checkpointer:
         fut.result()
         self._finish(path, step)
 
-    def _finish(self, path: Path, step: int) -> None:
+    def _finish(self, partial: Path, step: int) -> None:
         if dist.is_initialized():
             dist.barrier()
         if self.is_main:
-            write_manifest(path, step)
+            write_manifest(partial, step)
+            final = step_dir(self.root, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(partial, final)
             for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()  # the others wait here (a checkpoint phase), not in the next step
 
     def latest(self) -> Path | None:
         done = complete_checkpoints(self.root)

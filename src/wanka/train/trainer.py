@@ -37,6 +37,7 @@ from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
 
 log = logging.getLogger("wanka.train")
+MAX_SKIPPED_IN_A_ROW = 3
 
 
 @dataclass
@@ -184,6 +185,10 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         now = time.time()
         rt.event("fault", now, now, cause="nan", rank=None, node=rt.node, detail=bad, step=step)
     skipped = bad is not None
+    rt.skipped_in_a_row = rt.skipped_in_a_row + 1 if skipped else 0
+    if rt.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the state, not one batch, is bad
+        raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} batches in a row were bad ({bad}); stopping "
+                           "so the supervisor restores the last good snapshot")  # fmt: skip
     rt.progress.enter("optimizer", step)
     if not skipped:
         job.optimizer.step()
@@ -281,7 +286,8 @@ def run(cfg: JobConfig) -> dict:
 
     snapshots = rt.snapshot_store(job.dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   layout_signature(job.model, job.dims.world_size,
-                                                   _train_state(job)["model_config"]))  # fmt: skip
+                                                   _train_state(job)["model_config"],
+                                                   f"dp{job.dims.dp_shard}-ep{job.dims.ep}"))  # fmt: skip
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
@@ -325,7 +331,7 @@ def run(cfg: JobConfig) -> dict:
     rt.progress.enter("checkpoint")
     ckpt.wait()
     if snapshots is not None:
-        snapshots.close()
+        snapshots.close(discard=True)  # finished: nothing left to recover from memory
     with rt.span("eval", step=cfg.train.steps), rt.phase("eval"):
         val_loss = evaluate(job, cfg.train.steps)
     metrics.log_eval(cfg.train.steps, {"val_loss": val_loss})
@@ -370,6 +376,8 @@ def _train_state(job: Job) -> dict:
 def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
     """Newest of: an in-memory snapshot (same layout only), the newest valid DCP checkpoint."""
     load = job.cfg.checkpoint.load
+    if job.runtime.attempt > 1:
+        load = "latest"  # a relaunch continues this job, whatever the first launch started from
     if load == "none" and ckpt.latest() is not None:
         raise ValueError(f"{job.run_dir} already holds checkpoints ({ckpt.latest().name}) and "
                          "checkpoint.load='none': use a new run.dir, or resume with 'latest'")  # fmt: skip
