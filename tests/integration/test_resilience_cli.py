@@ -82,3 +82,23 @@ def test_sigterm_last_gasp_then_resume_past_a_corrupted_checkpoint(reference):
 def test_user_error_is_not_retried(tmp_path):
     r = wanka("train", *small(tmp_path, "bad"), "--set", 'data.path="/nonexistent/data"')
     assert r.returncode == 2 and "restart" not in r.stderr
+
+
+def test_chaos_drill_against_the_torchrun_baseline(tmp_path):
+    pairs = small(tmp_path, "unused")[4::2]  # the values of the --set pairs
+    pairs = [p for p in pairs if not p.startswith(("run.dir", "train.steps", "checkpoint.every"))]
+    sets = sum((["--set", p] for p in [*pairs, "train.steps=8", "checkpoint.every=2"]), [])
+    r = wanka("chaos", "drill", "configs/demo.toml", "--nproc", "2", *sets, "--schedule",
+              "kill@step=5,rank=1", "--out", str(tmp_path / "drill"), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads((tmp_path / "drill" / "drill.json").read_text())
+    wanka_run, base = result["runs"]["wanka"], result["runs"]["baseline"]
+    assert wanka_run["state_equal"] and base["state_equal"]  # a crash loses nothing in either
+    [fault] = wanka_run["injected"]
+    assert fault["kind"] == "kill" and fault["detected"] and fault["detected_as"] == "process_crash"
+    assert fault["steps_lost"] == 0  # restored from the snapshot of the step before
+    [bfault] = base["injected"]
+    assert bfault["to_productive_s"] is not None  # torchrun restarted it from the checkpoint
+    assert "== wanka" in r.stdout and "== baseline" in r.stdout
+    again = wanka("chaos", "drill", "configs/demo.toml", "--out", str(tmp_path / "drill"))
+    assert again.returncode == 2 and "fresh --out" in again.stderr

@@ -14,7 +14,8 @@ def _drill(a: argparse.Namespace) -> int:
 
     out = Path(a.out)
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
-                   operator_timeout_s=a.operator_timeout)  # fmt: skip
+                   operator_timeout_s=a.operator_timeout,
+                   reference=Path(a.reference) if a.reference else None)  # fmt: skip
     print(format_drill(result))
     print(f"\nfull results: {out / 'drill.json'}")
     wanka = result["runs"]["wanka"]
@@ -44,6 +45,8 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out", default="runs/drill", help="directory for the three runs and drill.json"
     )
     d.add_argument("--no-baseline", action="store_true", help="skip the torchrun baseline")
+    d.add_argument("--reference", default=None,
+                   help="a finished fault-free run of the same config, instead of running one")  # fmt: skip
     d.add_argument("--operator-timeout", type=float, default=60.0,
                    help="baseline: seconds without progress before the job is killed and resubmitted")  # fmt: skip
     d.set_defaults(fn=_drill)

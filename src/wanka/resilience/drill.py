@@ -125,18 +125,28 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
 
 
 def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
-          baseline: bool = True, operator_timeout_s: float = 60.0) -> dict:  # fmt: skip
+          baseline: bool = True, operator_timeout_s: float = 60.0,
+          reference: Path | None = None) -> dict:  # fmt: skip
+    """`reference`: a finished fault-free run of the same config to compare with, instead of
+    running one (its resolved config must match, or the comparison means nothing)."""
     parse_schedule(schedule)  # bad schedules fail here, in one line
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "drill.log", "a")  # noqa: SIM115
     runs: dict[str, dict] = {}
-    plan = [("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log)),
-            ("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))]  # fmt: skip
+    plan = [("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))]
+    if reference is None:
+        plan.insert(0, ("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log)))
+    else:
+        _check_reference(Path(reference), config, overrides)
+        runs["reference"] = {"digest": _summary(Path(reference)).get("state_digest"),
+                             "dir": str(reference)}  # fmt: skip
     if baseline:
         plan.append(("baseline", lambda d: run_baseline(config, overrides, nproc, d, schedule,
                                                         operator_timeout_s, 5, log)))  # fmt: skip
     for name, fn in plan:
         run_dir = out_dir / name
+        if run_dir.exists():
+            raise ValueError(f"{run_dir} exists: give the drill a fresh --out directory")
         print(f"drill: {name} run in {run_dir}", flush=True)
         res = fn(run_dir)
         res["digest"] = _summary(run_dir).get("state_digest")
@@ -195,6 +205,19 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
                      "to_productive_s": done["t1"] - t_inj if done else None,
                      "steps_lost": len(redone)})  # fmt: skip
     return rows
+
+
+def _check_reference(ref: Path, config: str | None, overrides: list[str]) -> None:
+    from wanka.config import dump_toml, load_config
+
+    if not _summary(ref).get("state_digest"):
+        raise ValueError(f"--reference {ref}: no finished run there (summary.json with a digest)")
+    saved = (ref / "config.toml").read_text().splitlines()
+    want = dump_toml(load_config(config, [*overrides, f'run.dir="{ref}"'])).splitlines()
+    diff = [a for a, b in zip(saved, want) if a != b and not a.startswith("dir =")]
+    if diff or len(saved) != len(want):
+        raise ValueError(f"--reference {ref} was run with another config ({'; '.join(diff[:3])}): "
+                         "use the same config and --set values, or drop --reference")  # fmt: skip
 
 
 def format_drill(result: dict) -> str:
