@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2
     except Exception:
+        from wanka.resilience.heartbeat import mark_exit
+
+        mark_exit(1)  # died of an error (often a dead peer's), not killed: not the culprit
         # Only rank 0's output reaches the console: keep every rank's traceback in its log.
         _log_to_files(f"{args.cmd} failed", exc_info=sys.exc_info())
         raise

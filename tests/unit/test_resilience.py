@@ -158,3 +158,16 @@ def test_straggler_in_data_loading_is_flagged_not_the_waiting_peers():
     beats[1] = Beat(1, 2, 1, 9, "data", now - 0.4, now, {"data": 0.4})
     beats[0] = Beat(0, 1, 1, 9, "sync", now - 0.4, now, {"data": 0.1})
     assert stragglers(beats, now) == []  # over the floor but only 4x the slowest other
+
+
+def test_learned_limit_follows_the_recent_pace(tmp_path):
+    rep = Reporter(tmp_path / "hb", 0, 1)
+    rep.max_seconds[PHASE_ID["forward"]] = 3.0  # a slow warm-up forward ...
+    for _ in range(60):  # ... then 60 fast ones
+        rep.enter("forward")
+        rep.enter("backward")
+    t = Timeouts(tmp_path / "t.json", factor=3.0, floor=0.5, initial=120.0)
+    t.learned["forward"] = 3.0  # what an earlier attempt learned
+    t.observe(read_all(tmp_path / "hb").values())
+    assert t.learned["forward"] < 3.0 * 0.95**50  # forgotten, not kept forever
+    assert t.limit("checkpoint") == 120.0  # never seen: generous

@@ -2,7 +2,7 @@
 
 Each rank owns one small fixed-size file, HB_DIR/rank{N}.hb, and overwrites it in place
 (one pwrite, no fsync) whenever it enters a phase. A record says which step and phase the
-rank is in, since when, and the longest duration it has seen for every phase so far, so the
+rank is in, since when, and a decaying maximum of its recent durations for every phase, so the
 monitor can learn time-outs without seeing every transition. Files, not sockets: a stopped or
 deadlocked rank cannot stop the monitor from reading its last word, and the files outlive it.
 """
@@ -22,6 +22,7 @@ _MAGIC = b"WKHB"
 # magic, pid, attempt, step, phase, phase start (unix s), write time, max seconds per phase
 _FMT = "<4siiqidd" + "d" * len(PHASES)
 RECORD_SIZE = struct.calcsize(_FMT)
+DECAY = 0.95  # per occurrence of a phase
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Beat:
     phase: str
     since: float  # when the rank entered `phase` (time.time())
     written: float
-    max_seconds: dict[str, float]  # longest observed duration per phase in this process
+    max_seconds: dict[str, float]  # recent longest duration per phase (decaying maximum)
 
 
 class Reporter:
@@ -55,7 +56,9 @@ class Reporter:
     def enter(self, phase: str, step: int | None = None) -> None:
         now = time.time()
         i = PHASE_ID[self.phase]
-        self.max_seconds[i] = max(self.max_seconds[i], now - self.since)
+        # A decaying maximum: one slow warm-up step is forgotten after a few dozen normal ones,
+        # so time-outs follow the job's current pace instead of its worst moment.
+        self.max_seconds[i] = max(now - self.since, self.max_seconds[i] * DECAY)
         self.phase, self.since = phase, now
         if step is not None:
             self.step = step

@@ -40,10 +40,14 @@ class Timeouts:
                 self.learned = {}  # a torn file only costs the learned values
 
     def observe(self, beats: Iterable[Beat]) -> None:
+        """The slowest rank's recent pace per phase replaces what was learned before (the
+        ranks report decaying maxima, so a slow warm-up does not loosen limits for good)."""
+        now: dict[str, float] = {}
         for b in beats:
             for phase, secs in b.max_seconds.items():
-                if secs > self.learned.get(phase, 0.0):
-                    self.learned[phase] = secs
+                if secs > now.get(phase, 0.0):
+                    now[phase] = secs
+        self.learned.update(now)
 
     def limit(self, phase: str) -> float:
         seen = self.learned.get(phase, 0.0)

@@ -273,7 +273,9 @@ class Supervisor:
         if not dead and hang is None:
             return False
         if dead:
-            b = min(dead, key=lambda b: b.rank)
+            # The culprit is a rank that was killed; ranks that exited with an error (exit file)
+            # usually died of losing it, in a collective.
+            b = min(dead, key=lambda b: (exit_code(hb_dir, b.rank) is not None, b.rank))
             out.cause, out.rank = "process_crash", b.rank
             out.detail = f"rank {b.rank} died in {b.phase} of step {b.step}"
             if b.step < 0:
