@@ -10,6 +10,7 @@ from pathlib import Path
 
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
+from wanka.lab.cli import add_lab_parser
 from wanka.resilience.chaos_cli import add_chaos_parser
 from wanka.resilience.check_cli import add_check_parser
 from wanka.resilience.nodes_cli import add_nodes_parser
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub)
     add_nodes_parser(sub)
     add_chaos_parser(sub)
+    add_lab_parser(sub)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     dp = d.add_parser(

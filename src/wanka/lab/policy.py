@@ -1,0 +1,82 @@
+"""Static source policy: the first of the evaluator's two lines of defence.
+
+A candidate is kernel code. It has no business introspecting the evaluator (frames, gc),
+starting threads or processes, touching files or the clock, patching modules, or defining
+tensor subclasses that compute lazily. Such code is rejected before it runs, with a reason.
+The runtime guards in worker.py catch the same cheats again when this policy is off (the
+cheat tests run both ways), since an AST check can be dodged by enough obfuscation.
+"""
+
+from __future__ import annotations
+
+import ast
+
+FORBIDDEN_MODULES = frozenset({
+    "gc", "inspect", "ctypes", "cffi", "threading", "_thread", "multiprocessing", "concurrent",
+    "subprocess", "signal", "socket", "asyncio", "os", "sys", "pathlib", "io", "shutil",
+    "tempfile", "pickle", "marshal", "importlib", "builtins", "time", "resource", "code",
+    "codeop", "types", "atexit", "sched", "faulthandler", "mmap", "secrets", "random",
+})  # fmt: skip
+FORBIDDEN_PREFIXES = ("wanka.lab", "torch.multiprocessing", "torch.cuda.streams")
+FORBIDDEN_CALLS = frozenset({
+    "eval", "exec", "compile", "__import__", "globals", "locals", "vars", "open", "setattr",
+    "delattr", "breakpoint", "input", "memoryview",
+})  # fmt: skip
+# Frame / code / subclass walking, lazy tensor hooks, side streams.
+FORBIDDEN_ATTRS = frozenset({
+    "f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "_getframe", "Stream",
+    "stream", "set_stream", "__torch_function__", "__torch_dispatch__", "Thread",
+})  # fmt: skip
+ALLOWED_DUNDERS = frozenset({"__init__", "__name__", "__doc__"})
+
+
+def check_source(source: str) -> list[str]:
+    """Violations of the policy (empty when the source may run). Syntax errors count."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return [f"syntax error line {e.lineno}: {e.msg}"]
+    out: list[str] = []
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}  # fmt: skip
+
+    def bad_module(name: str) -> bool:
+        if name.startswith("wanka.lab.tasks."):  # task references, as importable as wanka.ops
+            return False
+        return name.split(".")[0] in FORBIDDEN_MODULES or name.startswith(FORBIDDEN_PREFIXES)
+
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Import):
+            out += [f"{where}: import of {a.name}" for a in node.names if bad_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level or bad_module(mod):
+                out.append(f"{where}: import from {'.' * node.level}{mod}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            name = node.func.id
+            if name in FORBIDDEN_CALLS:
+                out.append(f"{where}: call of {name}()")
+            elif name in ("getattr", "hasattr") and not (
+                len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+            ):
+                out.append(f"{where}: {name}() with a computed attribute name")
+        elif isinstance(node, ast.Attribute):
+            a = node.attr
+            if a in FORBIDDEN_ATTRS or (a.startswith("__") and a not in ALLOWED_DUNDERS):
+                out.append(f"{where}: attribute {a}")
+        elif isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
+            out.append(f"{where}: name {node.id}")
+        elif isinstance(node, ast.FunctionDef) and node.name in FORBIDDEN_ATTRS:
+            out.append(f"{where}: defines {node.name}")
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:  # monkey-patching: assigning into an imported module or class
+                root = t
+                while isinstance(root, ast.Attribute | ast.Subscript):
+                    root = root.value
+                if t is not root and isinstance(root, ast.Name) and root.id in modules:
+                    out.append(f"{where}: assigns into imported {root.id}")
+    if not any(isinstance(n, ast.FunctionDef | ast.ImportFrom | ast.Assign) for n in tree.body):
+        out.append("defines nothing: a candidate must provide kernel(...)")
+    return out

@@ -1,0 +1,161 @@
+"""The lab evaluator: structured feedback for every way a candidate can fail, and a correct
+verdict with side-by-side timings for an honest one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from wanka.lab.evaluator import EvalConfig, compare, evaluate
+from wanka.lab.task import Shape
+from wanka.lab.tasks import get_task
+
+FAST = EvalConfig(timeout_s=60, repeats=3, baseline_repeats=2)
+
+
+def small_rmsnorm(mode: str = "fwd_bwd"):
+    t = get_task("rmsnorm-cpu")
+    return dataclasses.replace(
+        t, mode=mode, grad_inputs=t.grad_inputs if mode == "fwd_bwd" else (),
+        shapes=(Shape("a", {"N": 16, "D": 64}), Shape("b", {"N": 7, "D": 40})),
+        timing_shape=Shape("t", {"N": 512, "D": 256}),
+        held_out=(Shape("h", {"N": 5, "D": 24}),), held_out_timing=Shape("ht", {"N": 300, "D": 200}),
+    )  # fmt: skip
+
+
+REF = "from wanka.lab.tasks.rmsnorm import reference\n"
+
+
+def test_honest_candidate_is_correct_and_timed_against_the_baseline():
+    task = small_rmsnorm()
+    fb = evaluate(task, task.space.render({"impl": "native", "backward": "manual", "rows": 0,
+                                           "inv": "rsqrt"}), FAST)  # fmt: skip
+    assert fb.status == "correct", fb.message
+    assert (
+        fb.time_s > 0
+        and fb.baseline_s > 0
+        and fb.speedup == pytest.approx(fb.baseline_s / fb.time_s)
+    )
+    assert len(fb.details["times_s"]) == FAST.repeats
+    assert fb.details["roofline_s"] < fb.time_s
+
+
+def test_wrong_result_names_the_output_and_the_error():
+    src = REF + "def kernel(x, weight, eps):\n    return reference(x, weight, eps) * 1.01\n"
+    fb = evaluate(small_rmsnorm(), src, FAST)
+    assert fb.status == "incorrect" and "out: max abs error" in fb.message
+
+
+def test_wrong_gradient_is_caught():
+    src = (
+        REF
+        + """import torch
+def kernel(x, weight, eps):
+    y = reference(x, weight, eps)
+    return y + (x - x.detach()) * 0.5  # same values, wrong dx
+"""
+    )
+    fb = evaluate(small_rmsnorm(), src, FAST)
+    assert fb.status == "incorrect" and "grad_x" in fb.message
+
+
+def test_nan_never_passes_even_where_tolerance_would():
+    src = (
+        REF
+        + """def kernel(x, weight, eps):
+    y = reference(x, weight, eps)
+    y[0, 0] = float('nan')
+    return y
+"""
+    )
+    fb = evaluate(small_rmsnorm("fwd"), src, FAST)
+    assert fb.status == "incorrect" and "NaN" in fb.message
+
+
+def test_detached_output_is_rejected_when_backward_is_in_scope():
+    src = REF + "def kernel(x, weight, eps):\n    return reference(x, weight, eps).detach()\n"
+    fb = evaluate(small_rmsnorm(), src, FAST)
+    assert fb.status == "rejected" and fb.flags == ["no_graph"]
+
+
+def test_import_error_and_exception_come_back_with_a_trimmed_traceback():
+    fb = evaluate(small_rmsnorm(), "import torch\nraise ImportError('no such thing')\n",
+                  dataclasses.replace(FAST, static_policy=False))  # fmt: skip
+    assert fb.status == "import_error" and "no such thing" in fb.message
+    assert "candidate.py" in fb.details["traceback"]
+    fb = evaluate(
+        small_rmsnorm(), "def kernel(x, weight, eps):\n    return x.reshape(3, -1, 7)\n", FAST
+    )
+    assert fb.status == "error" and "RuntimeError" in fb.message
+
+
+def test_syntax_error_is_reported_by_the_policy_or_the_import():
+    fb = evaluate(small_rmsnorm(), "def kernel(x:\n", FAST)
+    assert fb.status == "policy" and "syntax error" in fb.message
+    fb = evaluate(
+        small_rmsnorm(), "def kernel(x:\n", dataclasses.replace(FAST, static_policy=False)
+    )
+    assert fb.status == "import_error" and "SyntaxError" in fb.message
+
+
+def test_time_out_kills_the_candidate():
+    src = "def kernel(x, weight, eps):\n    while True:\n        pass\n"
+    fb = evaluate(small_rmsnorm(), src, dataclasses.replace(FAST, timeout_s=3))
+    assert fb.status == "timeout" and "3 s" in fb.message
+
+
+def test_crash_of_the_candidate_process_is_feedback_not_an_exception():
+    src = "import ctypes\ndef kernel(x, weight, eps):\n    return ctypes.string_at(0)\n"
+    assert evaluate(small_rmsnorm(), src, FAST).status == "policy"
+    fb = evaluate(small_rmsnorm(), src, dataclasses.replace(FAST, static_policy=False))
+    assert fb.status == "crash" and "signal" in fb.message
+
+
+def test_memory_limit_applies_to_the_candidate():
+    src = "import torch\ndef kernel(x, weight, eps):\n    return torch.ones(1 << 31, 4)\n"
+    fb = evaluate(small_rmsnorm(), src, dataclasses.replace(FAST, memory_gib=3))
+    assert not fb.correct
+    assert "memory" in (fb.message + fb.details.get("traceback", "")).lower()
+
+
+def test_compare_rules():
+    r = torch.tensor([1.0, float("-inf"), 2.0])
+    ok, _, err = compare((r,), (r.clone(),), ["out"], 1e-5, 1e-5)
+    assert ok and err == 0.0
+    ok, msg, _ = compare((r,), (torch.tensor([1.0, 0.0, 2.0]),), ["out"], 1e-5, 1e-5)
+    assert not ok and "infinities" in msg
+    ok, msg, _ = compare(
+        (r,), (torch.tensor([1.0, float("-inf"), float("nan")]),), ["out"], 1e9, 1e9
+    )
+    assert not ok and "NaN" in msg
+    ok, msg, _ = compare((r,), (r.double(),), ["out"], 1e-5, 1e-5)
+    assert not ok and "expected torch.float32" in msg
+    i = torch.tensor([3, -1])
+    assert not compare((i,), (torch.tensor([3, 0]),), ["idx"], 1, 1)[0]
+
+
+TINY = {
+    "sparse_attention-triton": Shape("t", {"B": 1, "L": 24, "K": 8, "H": 2, "D": 16}),
+    "dense_attention-triton": Shape("t", {"B": 1, "L": 40, "H": 2, "D": 16, "docs": 2}),
+    "rmsnorm-triton": Shape("t", {"N": 10, "D": 48}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_triton_templates_are_correct_under_the_interpreter(name, monkeypatch):
+    """Without a GPU the Triton tasks cannot be timed, but their candidates are checked on
+    CPU tensors in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the Triton tasks are timed for real there")
+    task = get_task(name)
+    assert task.unavailable() is not None  # `wanka lab run` refuses to time it here
+    src = task.space.render(dict(task.space.baseline))
+    fb = evaluate(task, src, EvalConfig(timing=False, check_sets=1), shapes=(TINY[name],))
+    assert fb.status == "correct" and "not timed" in fb.message, fb.message
+    wrong = src.replace("def kernel(", "def _real_kernel(")
+    wrong += "\n\ndef kernel(*args):\n    return _real_kernel(*args) * 1.5\n"
+    fb = evaluate(task, wrong, EvalConfig(timing=False, check_sets=1), shapes=(TINY[name],))
+    assert fb.status == "incorrect"
