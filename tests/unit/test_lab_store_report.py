@@ -84,7 +84,11 @@ def test_report_leaderboard_fast_p_and_png(history, tmp_path):
     (row,) = rep["leaderboard"]
     assert row["task"] == "rmsnorm-cpu" and row["evaluations"] >= 4 and row["best_speedup"] > 0
     assert set(rep["fast_p"]) == {"fast_0", "fast_1", "fast_1.5", "fast_2", "fast_3"}
-    assert rep["fast_p"]["fast_0"] == 1.0  # one task, verified on held-out shapes
+    # KernelBench's denominator: every task runnable here, the ones without runs are misses
+    assert "rope-cpu" in rep["suite"] and "rmsnorm-cpu" in rep["suite"]
+    assert rep["fast_p"]["fast_0"] == pytest.approx(1 / len(rep["suite"]))
+    only = report(Store(db), tasks=["rmsnorm-cpu"])
+    assert only["fast_p"]["fast_0"] == 1.0  # one task, verified on held-out shapes
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     curve = rep["runs"][0]["best_so_far"]
     assert curve == sorted(curve)  # best-so-far never decreases
@@ -98,9 +102,13 @@ def test_fast_p_definition():
             self.speedup, self.held_out_speedup, self.held_out_ok = s, s, True
 
     rows = {"a": {"verified": R(2.5)}, "b": {"verified": R(1.2)}, "c": {"verified": None}}
-    f = fast_p(rows)
+    f = fast_p(rows, tasks=["a", "b", "c"])
     assert f["fast_0"] == pytest.approx(2 / 3) and f["fast_2"] == pytest.approx(1 / 3)
     assert f["fast_3"] == 0.0
+    # a task of the suite with no run at all is a miss, not left out of the denominator
+    f = fast_p(rows, tasks=["a", "b", "c", "d"])
+    assert f["fast_0"] == pytest.approx(2 / 4) and f["fast_2"] == pytest.approx(1 / 4)
+    assert fast_p(rows)["fast_0"] <= 2 / 3  # default suite: registered tasks plus rows
 
 
 def test_export_registers_a_working_backend(history, tmp_path, monkeypatch):

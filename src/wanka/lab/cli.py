@@ -106,7 +106,7 @@ def _report(a: argparse.Namespace) -> int:
 
     if not Path(a.db).exists():
         raise FileNotFoundError(f"no lab history at {a.db} (run `wanka lab run` first)")
-    rep = report(Store(a.db), png=Path(a.png) if a.png else None)
+    rep = report(Store(a.db), png=Path(a.png) if a.png else None, tasks=a.tasks)
     print(format_report(rep))
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=1))
@@ -171,6 +171,8 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", parents=[db], help="leaderboard, fast_p, best-so-far PNG")
     p.add_argument("--png", default="runs/lab/best_so_far.png")
     p.add_argument("--json", default=None)
+    p.add_argument("--tasks", nargs="+", default=None,
+                   help="fast_p suite (default: every task runnable here plus those with runs)")  # fmt: skip
     p.set_defaults(fn=_report)
 
     x = sub.add_parser("export", parents=[db], help="best candidate -> op registry backend module")

@@ -224,26 +224,34 @@ def _run_child(task, cfg, jobdir, device, check, refs, timing, timing_shape) -> 
     if r["timeout"]:
         return Feedback("timeout", f"no result within {cfg.timeout_s:g} s (killed)")
     res_file = jobdir / "result.json"
-    if not res_file.exists():
+    code = r["exitcode"]
+    res = _read_result(res_file)
+    if res is None and code != 0:
         err = jobdir / "stderr.txt"
         tail = (
             "\n".join(err.read_text(errors="replace").strip().splitlines()[-12:])
             if err.exists()
             else ""
         )
-        code = r["exitcode"] or 0
+        code = code or 0
         why = f"signal {-code}" if code < 0 else f"exit code {code}"
         if "MemoryError" in tail or "bad_alloc" in tail or "memory" in tail.lower():
             why += f" (memory limit {cfg.memory_gib:g} GiB)"
         return Feedback(
             "crash", f"the candidate's process died: {why}", details={"traceback": tail}
         )
-    res = json.loads(res_file.read_text())
+    if res is None or code != 0 or res["status"] not in _CHILD_STATUSES:  # not a clean finish
+        return Feedback("rejected", f"result incomplete (exit code {code})", flags=["incomplete"])
     fb = Feedback(res["status"], res.get("message", ""), flags=list(res.get("flags", [])),
                   details={k: res[k] for k in ("traceback", "peaks") if k in res})  # fmt: skip
     if res["status"] != "ran":
         return fb
-    outs = torch.load(jobdir / "outputs.pt", weights_only=True)
+    try:
+        outs = torch.load(jobdir / "outputs.pt", weights_only=True)
+    except Exception:  # noqa: BLE001  (missing, truncated or forged)
+        return _reject(fb, "incomplete", "result incomplete: no readable outputs")
+    if not _complete(res, outs, cfg, len(check), bool(timing)):
+        return _reject(fb, "incomplete", "result incomplete: wrong number of results or samples")
     for i, ((ref, n_out), got) in enumerate(zip(refs, outs["check"])):
         ok, msg, err = _compare(task, ref, got, n_out, check[i]["inputs"])
         fb.details.setdefault("max_err", {})[check[i]["shape"]] = err
@@ -289,6 +297,34 @@ def _run_child(task, cfg, jobdir, device, check, refs, timing, timing_shape) -> 
                        f"plausible (roofline bound {bound * 1e3:.3f} ms / {cfg.roofline_slack:g})")  # fmt: skip
     fb.status, fb.message = "correct", ""
     return fb
+
+
+_CHILD_STATUSES = ("ran", "rejected", "import_error", "error")
+
+
+def _read_result(path: Path) -> dict | None:
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return res if isinstance(res, dict) and isinstance(res.get("status"), str) else None
+
+
+def _complete(res: dict, outs, cfg: EvalConfig, n_check: int, timed: bool) -> bool:
+    """Exactly the results the job asked for: one per check set; when timed, `repeats`
+    timings of candidate and baseline and min(verify_samples, repeats) re-verifiable samples."""
+    try:
+        if not isinstance(outs, dict) or len(outs["check"]) != n_check:
+            return False
+        if not timed:
+            return True
+        c = res["candidate"]
+        n = cfg.repeats
+        return (len(c["all_s"]) == n and len(res["baseline_all"]) == n
+                and len(outs["samples"]) == min(cfg.verify_samples, n)
+                and all(isinstance(x, int | float) and x > 0 for x in c["all_s"]))  # fmt: skip
+    except (KeyError, TypeError):
+        return False
 
 
 def _compare(task: Task, ref, got, n_out: int, inputs: dict):

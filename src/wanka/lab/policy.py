@@ -28,6 +28,39 @@ FORBIDDEN_ATTRS = frozenset({
     "stream", "set_stream", "__torch_function__", "__torch_dispatch__", "Thread",
 })  # fmt: skip
 ALLOWED_DUNDERS = frozenset({"__init__", "__name__", "__doc__"})
+# Names that reach processes, files, the interpreter or the thread pool however they are
+# reached: `torch.os._exit`, `np.sys.modules[...]`, `getattr(torch, "os")`, `from torch import
+# os`. Denied as attributes, constant getattr/setattr names and imported names, anywhere.
+DENIED_NAMES = frozenset({
+    "os", "sys", "subprocess", "ctypes", "cffi", "builtins", "importlib", "gc", "inspect",
+    "threading", "_thread", "multiprocessing", "signal", "socket", "shutil", "pathlib",
+    "tempfile", "pickle", "marshal", "mmap", "resource", "faulthandler", "atexit",
+    "_exit", "exit", "abort", "fork", "forkpty", "_fork", "system", "popen", "Popen",
+    "posix_spawn", "posix_spawnp", "kill", "killpg", "modules", "dlopen", "CDLL", "PyDLL",
+    "cdll", "pydll", "pythonapi", "set_num_threads", "set_num_interop_threads",
+    "_set_num_threads", "_set_num_interop_threads", "cpp_extension", "load_inline", "hub",
+    "load_library", "fdopen", "unlink", "write_text", "write_bytes", "chdir", "setrlimit",
+    "environ", "putenv", "dup2", "save", "savez", "savez_compressed", "savetxt", "tofile",
+    "_open_file", "_open_zipfile_writer",
+    "f_back", "f_locals", "f_globals", "f_code", "tb_frame", "gi_frame", "_getframe",
+})  # fmt: skip
+DENIED_PREFIXES = ("exec", "spawn", "_exec", "_spawn")
+# Dunders that are fine to read in kernel code but reach the interpreter when read or
+# written: any dunder outside ALLOWED_DUNDERS is denied already; these are listed for the
+# constant-string getattr/setattr case.
+DENIED_DUNDERS = frozenset({
+    "__file__", "__code__", "__globals__", "__builtins__", "__dict__", "__class__",
+    "__subclasses__", "__loader__", "__spec__", "__closure__", "__import__",
+})  # fmt: skip
+
+
+def denied_name(name: str) -> bool:
+    """A name that must not appear as an attribute (or constant getattr name) anywhere."""
+    if name in DENIED_NAMES or name in DENIED_DUNDERS or name in FORBIDDEN_ATTRS:
+        return True
+    if name.startswith("__") and name not in ALLOWED_DUNDERS:
+        return True
+    return name.startswith(DENIED_PREFIXES)
 
 
 def check_source(source: str) -> list[str]:
@@ -53,19 +86,25 @@ def check_source(source: str) -> list[str]:
             mod = node.module or ""
             if node.level or bad_module(mod):
                 out.append(f"{where}: import from {'.' * node.level}{mod}")
+            out += [f"{where}: import of {a.name} from {mod}" for a in node.names
+                    if a.name == "*" or denied_name(a.name)]  # fmt: skip
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
             if name in FORBIDDEN_CALLS:
                 out.append(f"{where}: call of {name}()")
-            elif name in ("getattr", "hasattr") and not (
-                len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-            ):
-                out.append(f"{where}: {name}() with a computed attribute name")
+            elif name in ("getattr", "hasattr"):
+                key = node.args[1] if len(node.args) >= 2 else None
+                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                    out.append(f"{where}: {name}() with a computed attribute name")
+                elif denied_name(key.value):
+                    out.append(f"{where}: {name}() of {key.value}")
         elif isinstance(node, ast.Attribute):
-            a = node.attr
-            if a in FORBIDDEN_ATTRS or (a.startswith("__") and a not in ALLOWED_DUNDERS):
-                out.append(f"{where}: attribute {a}")
-        elif isinstance(node, ast.Name) and node.id in ("__builtins__", "__loader__", "__spec__"):
+            if denied_name(node.attr):
+                out.append(f"{where}: attribute {node.attr}")
+        elif isinstance(node, ast.Name) and (
+            node.id in ("__builtins__", "__loader__", "__spec__", "__file__")
+            or (node.id.startswith("__") and node.id not in ALLOWED_DUNDERS)
+        ):
             out.append(f"{where}: name {node.id}")
         elif isinstance(node, ast.FunctionDef) and node.name in FORBIDDEN_ATTRS:
             out.append(f"{where}: defines {node.name}")

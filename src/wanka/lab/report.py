@@ -1,9 +1,11 @@
 """`wanka lab report`: leaderboard, speedup over time, fast_p across tasks, a PNG of the
 best-so-far curves, and export of a task's best candidate as an op-registry backend.
 
-fast_p (KernelBench): the fraction of tasks whose candidate is correct and more than p times
-faster than the baseline. Here "correct" means it also passed the held-out check, and its
-speedup is the smaller of the visible and held-out measurements.
+fast_p (KernelBench): the fraction of the suite's tasks whose candidate is correct and more
+than p times faster than the baseline. The suite is every registered task runnable on this
+device plus any task with runs in the history (or the list given); a task without a correct
+run counts as a miss. Here "correct" means it also passed the held-out check, and its speedup
+is the smaller of the visible and held-out measurements.
 """
 
 from __future__ import annotations
@@ -42,12 +44,25 @@ def best_per_task(store: Store) -> dict[str, dict]:
     return out
 
 
-def fast_p(rows: dict[str, dict], ps=P_VALUES) -> dict[str, float]:
-    n = len(rows)
+def suite(rows: dict[str, dict] | None = None) -> list[str]:
+    """The default fast_p denominator: registered tasks runnable here, plus tasks in rows."""
+    from wanka.lab.tasks import all_tasks
+
+    names = {n for n, t in all_tasks().items() if t.unavailable() is None}
+    return sorted(names | set(rows or {}))
+
+
+def fast_p(rows: dict[str, dict], ps=P_VALUES, tasks=None) -> dict[str, float]:
+    """Fraction of `tasks` (default: suite(rows)) with a verified candidate faster than p x
+    the baseline; tasks absent from rows are misses."""
+    names = suite(rows) if tasks is None else list(dict.fromkeys(tasks))
+    n = len(names)
     res = {}
     for p in ps:
-        hits = sum(1 for row in rows.values()
-                   if row["verified"] is not None and _final_speedup(row["verified"]) > p)  # fmt: skip
+        hits = 0
+        for name in names:
+            v = rows.get(name, {}).get("verified")
+            hits += v is not None and _final_speedup(v) > p
         res[f"fast_{p:g}"] = hits / n if n else 0.0
     return res
 
@@ -62,7 +77,8 @@ def curve(hist: list[Record]) -> list[float]:
     return out
 
 
-def report(store: Store, png: Path | None = None) -> dict:
+def report(store: Store, png: Path | None = None, tasks=None) -> dict:
+    """tasks: the fast_p suite (default: every task runnable here plus those with runs)."""
     rows = best_per_task(store)
     runs = []
     for run in store.runs():
@@ -83,7 +99,8 @@ def report(store: Store, png: Path | None = None) -> dict:
                       "best_time_ms": b.time_s * 1e3 if b else None, "candidate": b.id if b else None,
                       "verified_candidate": v.id if v else None,
                       "held_out_speedup": v.held_out_speedup if v else None})  # fmt: skip
-    out = {"leaderboard": board, "fast_p": fast_p(rows), "runs": runs}
+    names = suite(rows) if tasks is None else list(dict.fromkeys(tasks))
+    out = {"leaderboard": board, "fast_p": fast_p(rows, tasks=names), "suite": names, "runs": runs}
     if png is not None and runs:
         plot(runs, png)
         out["png"] = str(png)
@@ -123,7 +140,7 @@ def format_report(rep: dict) -> str:
         lines.append(f"{b['task']:26s} {b['runs']:4d} {b['evaluations']:5d} {x(b['best_speedup']):>7s} "
                      f"{x(b['best_vs_reference']):>7s} {ms:>8s} {x(b['held_out_speedup']):>8s}")  # fmt: skip
     lines.append(
-        "fast_p over tasks with runs: "
+        f"fast_p over {len(rep.get('suite', [])) or len(rep['leaderboard'])} tasks: "
         + "  ".join(f"{k}={v:.2f}" for k, v in rep["fast_p"].items())
     )
     for r in rep["runs"]:

@@ -261,6 +261,71 @@ def _snapshot(job: dict) -> dict:
     return items
 
 
+# Audit events a candidate has no business raising (defence in depth behind the policy).
+_DENIED_EVENTS = frozenset({
+    "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+    "subprocess.Popen", "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle",
+    "ctypes.call_function", "os.kill", "os.killpg", "os.remove", "os.rename", "os.rmdir",
+    "os.mkdir", "os.truncate", "os.link", "os.symlink", "os.chmod", "os.chown", "os.utime",
+    "os.chdir", "os.putenv", "os.unsetenv", "resource.setrlimit", "resource.prlimit",
+    "sys.settrace", "sys.setprofile", "socket.connect", "socket.bind", "shutil.rmtree",
+    "shutil.move", "shutil.copyfile", "mmap.__new__", "pty.spawn",
+})  # fmt: skip
+_PATH_EVENTS = frozenset({"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.truncate",
+                          "os.link", "os.symlink", "os.chmod", "os.utime", "shutil.rmtree",
+                          "shutil.move", "shutil.copyfile"})  # fmt: skip
+# CUDA tasks: Triton compiles on first call (ptxas, a C launcher built with cc) and writes its
+# cache, so those executables and writes outside the job folder stay allowed there.
+_COMPILERS = frozenset({"ptxas", "gcc", "cc", "clang", "nvcc", "ld", "ldconfig", "cuobjdump",
+                        "nvdisasm", "x86_64-linux-gnu-gcc"})  # fmt: skip
+
+
+def _lockdown(jobdir: Path, compilers: bool) -> None:
+    """Before the candidate is imported: no processes, signals, dlopen, file writes (the files
+    this process writes are open already), thread-count changes. Audit hooks cannot be removed
+    once installed; torch.set_num_threads / set_num_interop_threads become raising stubs."""
+    import os
+
+    import torch
+
+    write = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    jail = os.path.realpath(jobdir)
+
+    def outside_job(path) -> bool:
+        if not isinstance(path, str | bytes | os.PathLike):
+            return False  # a file descriptor: could be one of the job's files
+        p = os.path.realpath(os.fsdecode(path))
+        return compilers and p != jail and not p.startswith(jail + os.sep)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
+            mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+            if (flags & write or any(c in mode for c in "wax+")) and not outside_job(args[0]):
+                raise PermissionError(f"lab candidate: opening {args[0]!r} for writing")
+        elif event in _DENIED_EVENTS:
+            if compilers and event in ("subprocess.Popen", "os.posix_spawn"):
+                exe, argv = args[0], args[1]
+                if exe is None and argv:
+                    exe = argv if isinstance(argv, str | bytes) else argv[0]
+                if isinstance(exe, str | bytes | os.PathLike):
+                    if os.path.basename(os.fsdecode(exe)) in _COMPILERS:
+                        return
+            if compilers and event in ("ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle"):
+                return
+            if compilers and event in _PATH_EVENTS and args and outside_job(args[0]):
+                if event != "os.rename" or outside_job(args[1]):
+                    return
+            raise PermissionError(f"lab candidate: {event} is not allowed")
+
+    def no_threads(*_a, **_k):
+        raise PermissionError("lab candidate: the thread count is fixed by the task")
+
+    torch.set_num_threads = no_threads
+    torch.set_num_interop_threads = no_threads
+    sys.addaudithook(hook)
+
+
 def _tampered(before: dict, after: dict) -> list[str]:
     return [k for k in before if not _eq(before[k], after[k])]
 
@@ -272,6 +337,8 @@ def _eq(a, b) -> bool:
 
 
 def run(jobdir: Path) -> dict:
+    """One job. The result dict is returned for the caller to write to the already-open
+    result file; outputs.pt is opened before the lock-down too."""
     import torch
 
     job = json.loads((jobdir / "job.json").read_text())
@@ -298,6 +365,8 @@ def run(jobdir: Path) -> dict:
             res["reference_s"] = time_fns(
                 {"r": (ref, 0)}, data["timing"], job, repeats=job["baseline_repeats"], warmup=1
             )["r"]["median_s"]
+    out_file = open(jobdir / "outputs.pt", "wb")  # noqa: SIM115  (before the lock-down)
+    _lockdown(jobdir, compilers=dev == "cuda")
     before = _snapshot(job)
     threads0 = threading.active_count()
     try:
@@ -332,7 +401,8 @@ def run(jobdir: Path) -> dict:
     if tampered:
         return {**res, "status": "rejected", "flags": ["tamper"],
                 "message": "the candidate patched " + ", ".join(tampered)}  # fmt: skip
-    torch.save(outputs, jobdir / "outputs.pt")
+    torch.save(outputs, out_file)
+    out_file.close()
     return {**res, "status": "ran"}
 
 
@@ -358,12 +428,18 @@ def child_main(jobdir: str, memory_bytes: int, cpu_s: int, threads: int) -> None
     if memory_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
-    result = run(d)
-    (d / "result.json").write_text(json.dumps(result))
+    _run_to(d)
     sys.stdout.flush()
     sys.stderr.flush()
 
 
+def _run_to(d: Path) -> None:
+    """run(d) with result.json opened first (no file can be opened for writing afterwards).
+    It stays empty unless the job finishes: the parent treats empty as no result."""
+    with open(d / "result.json", "w") as f:
+        text = json.dumps(run(d))
+        f.write(text)
+
+
 if __name__ == "__main__":  # one job in this process (debugging): python -m wanka.lab.worker DIR
-    d = Path(sys.argv[1])
-    (d / "result.json").write_text(json.dumps(run(d)))
+    _run_to(Path(sys.argv[1]))

@@ -21,11 +21,22 @@ import wanka.ops  # noqa: F401
 from wanka.lab import worker
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _serve_one(job: dict) -> dict:
     pid = os.fork()
-    if pid == 0:  # the candidate's process
+    if pid == 0:  # the candidate's process: its own process group, no job pipe
         code = 1
         try:
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
             worker.child_main(job["jobdir"], job["mem"], job["cpu"], job["threads"])
             code = 0
         except BaseException:  # noqa: BLE001  (report it, then leave without cleanup)
@@ -40,8 +51,10 @@ def _serve_one(job: dict) -> dict:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
+            _kill_group(pid)  # whatever the candidate left behind goes with it
             return {"exitcode": os.waitstatus_to_exitcode(status), "timeout": False}
         if time.monotonic() > deadline or os.getppid() != parent:  # too slow, or orphaned
+            _kill_group(pid)
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             if os.getppid() != parent:
