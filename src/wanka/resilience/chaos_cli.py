@@ -15,11 +15,12 @@ def _drill(a: argparse.Namespace) -> int:
     out = Path(a.out)
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
                    operator_timeout_s=a.operator_timeout,
-                   reference=Path(a.reference) if a.reference else None)  # fmt: skip
+                   reference=Path(a.reference) if a.reference else None,
+                   wanka=not a.baseline_only)  # fmt: skip
     print(format_drill(result))
     print(f"\nfull results: {out / 'drill.json'}")
-    wanka = result["runs"]["wanka"]
-    return 0 if wanka["rc"] == 0 and wanka["state_equal"] else 1
+    run = result["runs"].get("wanka") or result["runs"]["baseline"]
+    return 0 if run["rc"] == 0 and (run["state_equal"] or "wanka" not in result["runs"]) else 1
 
 
 def _show(a: argparse.Namespace) -> int:
@@ -45,6 +46,7 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
         "--out", default="runs/drill", help="directory for the three runs and drill.json"
     )
     d.add_argument("--no-baseline", action="store_true", help="skip the torchrun baseline")
+    d.add_argument("--baseline-only", action="store_true", help="only the torchrun baseline")
     d.add_argument("--reference", default=None,
                    help="a finished fault-free run of the same config, instead of running one")  # fmt: skip
     d.add_argument("--operator-timeout", type=float, default=60.0,

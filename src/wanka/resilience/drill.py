@@ -58,7 +58,6 @@ def run_wanka(config: str | None, overrides: list[str], nproc: int, run_dir: Pat
 def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: Path,
                  schedule: str, operator_timeout_s: float, max_restarts: int, log) -> dict:  # fmt: skip
     """torchrun --max-restarts, ranks without supervision; faults injected from here."""
-    from wanka.distributed.launch import free_port
     from wanka.resilience.supervisor import job_id
 
     sets = [*overrides, f'run.dir="{run_dir}"', "resilience.supervise=false",
@@ -71,8 +70,10 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
     timeline.event("job", t_job, None)
     while True:
         submissions += 1
+        # --standalone: a fresh c10d rendezvous per restart round, as users run single-node jobs
+        # (a static --master-port rendezvous can hang on restart: the old round's store keys).
         argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                f"--max-restarts={max_restarts}", f"--master-port={free_port()}",
+                f"--max-restarts={max_restarts}", "--standalone",
                 "-m", "wanka.cli", "train", *([config] if config else []),
                 *sum((["--set", s] for s in sets), [])]  # fmt: skip
         env = {**os.environ, "WANKA_HB_DIR": str(hb_dir), "WANKA_TIMELINE": "1",
@@ -126,14 +127,16 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
 
 def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
           baseline: bool = True, operator_timeout_s: float = 60.0,
-          reference: Path | None = None) -> dict:  # fmt: skip
+          reference: Path | None = None, wanka: bool = True) -> dict:  # fmt: skip
     """`reference`: a finished fault-free run of the same config to compare with, instead of
     running one (its resolved config must match, or the comparison means nothing)."""
     parse_schedule(schedule)  # bad schedules fail here, in one line
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "drill.log", "a")  # noqa: SIM115
     runs: dict[str, dict] = {}
-    plan = [("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))]
+    plan = [("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))][
+        : int(wanka)
+    ]
     if reference is None:
         plan.insert(0, ("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log)))
     else:

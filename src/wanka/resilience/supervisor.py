@@ -71,6 +71,11 @@ def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
     os.environ.update(env)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)  # the agent's handlers came along with the fork
+    import torch
+
+    # The thread pool size was fixed when the parent imported torch: apply OMP_NUM_THREADS as
+    # torchrun's own ranks would (else each forked rank runs as many threads as cores).
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
     from wanka.cli import main
 
     rc = main(argv)
