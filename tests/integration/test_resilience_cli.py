@@ -96,7 +96,9 @@ def test_chaos_drill_against_the_torchrun_baseline(tmp_path):
     assert wanka_run["state_equal"] and base["state_equal"]  # a crash loses nothing in either
     [fault] = wanka_run["injected"]
     assert fault["kind"] == "kill" and fault["detected"] and fault["detected_as"] == "process_crash"
-    assert fault["steps_lost"] == 0  # restored from the snapshot of the step before
+    # Restored from the newest snapshot: the step before, or the one before that if the newest
+    # was still being written (snapshots are written in the background).
+    assert fault["steps_lost"] <= 1
     [bfault] = base["injected"]
     assert bfault["to_productive_s"] is not None  # torchrun restarted it from the checkpoint
     assert "== wanka" in r.stdout and "== baseline" in r.stdout
