@@ -63,9 +63,53 @@ def _snapshot_ranks(root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _torn_slot_ranks(root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from wanka.resilience.snapshot import SnapshotStore
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    store = SnapshotStore(root, "job", "n0", rank, 2, 2, replica=True, signature="w2-x")
+    assert store.send_to is None  # one node: nothing to replicate to
+    w = torch.arange(10, dtype=torch.float32) + rank
+    for step in (1, 2):
+        store.save(step, {"w": w * step, "extra": {"step": step}})
+    slots = sorted(p.name for p in store.dir.glob("*.meta"))
+    assert [n[:13] for n in slots] == ["step-00000001", "step-00000002"], slots
+    # A third save overwrites the slot of step 1, never step 2's. Simulate a kill in the
+    # middle of that copy: step 1's meta is gone before the slot changes, step 2 is intact.
+    slot_of_1 = next(store.dir.glob("step-00000001.*")).name.split(".")[1]
+    (store.dir / f"step-00000001.{slot_of_1}.w2-x.meta").unlink()
+    store._map(store.dir / f"slot{slot_of_1[1]}.w2-x.bin", 64).fill_(255)  # garbage, uncommitted
+    fresh = SnapshotStore(root, "job", "n0", rank, 2, 2, replica=True, signature="w2-x")
+    step, state = fresh.restore()
+    assert step == 2 and torch.equal(state["w"], w * 2) and state["extra"] == {"step": 2}
+    state["w"].add_(1)  # the restored tensors are the caller's, not views of shared memory
+    assert torch.equal(fresh.restore()[1]["w"], w * 2)
+    # The next save goes to the slot that does not hold step 2.
+    fresh.save(3, {"w": w * 3, "extra": {"step": 3}})
+    assert fresh.restore()[0] == 3
+    assert sorted(p.name[:13] for p in fresh.dir.glob("*.meta")) == ["step-00000002",
+                                                                     "step-00000003"]  # fmt: skip
+    fresh.close(discard=True)
+    assert not fresh.dir.exists()
+    dist.barrier()
+    if rank == 0:
+        open(out, "w").write("ok")
+    dist.destroy_process_group()
+
+
+def test_snapshot_slots_survive_a_torn_copy(tmp_path):
+    out = tmp_path / "ok"
+    spawn(2, _torn_slot_ranks, str(tmp_path / "shm"), str(out))
+    assert out.read_text() == "ok"
+
+
 def test_snapshot_replica_restores_a_lost_node(tmp_path):
     out = tmp_path / "ok"
     spawn(2, _snapshot_ranks, str(tmp_path / "shm"), str(out))
     assert out.read_text() == "ok"
     # Rank 1's own copy was re-created from the replica, for the next fault.
-    assert len(list((tmp_path / "shm" / "job" / "n1" / "rank1").glob("step-00000002.w2-*.pt"))) == 1
+    rank1 = tmp_path / "shm" / "job" / "n1" / "rank1"
+    assert len(list(rank1.glob("step-00000002.s?.w2-*.meta"))) == 1

@@ -56,6 +56,8 @@ def estimate_bytes(case: dict) -> float:
         return B * L * case["k"] * (4 * case["D"] + 3 * case["H"]) * 4
     if case["op"] == "dense_attention":
         return B * case["H"] * L * L * 4 * 4
+    if case["op"] == "indexer_kl":  # [L, H, L] target logits/probs, [L, Hi, L] scores + grads
+        return B * L * L * (3 * case["H"] + 3 * case["Hi"] + 6) * 4
     return B * L * L * (case["Hi"] * 2 + 4) * 4  # indexer: [L, Hi, L] relu scores + grads
 
 
@@ -66,6 +68,12 @@ def flops(case: dict) -> tuple[float, float]:
         f = 4 * L * case["k"] * case["H"] * case["D"]
     elif case["op"] == "dense_attention":
         f = 4 * L * (L + 1) / 2 * case["H"] * case["D"]
+    elif case["op"] == "indexer_kl":
+        # Forward: the target's q.k logits (every head, visible key) and the indexer's scores;
+        # the gradients add the indexer's dq and dk products (the target gets none).
+        pairs = L * (L + 1) / 2
+        f = 2 * pairs * (case["H"] * case["D"] + case["Hi"] * case["Di"])
+        return f, f + 2 * 2 * pairs * case["Hi"] * case["Di"]
     else:
         f = 2 * L * (L + 1) / 2 * case["Hi"] * case["Di"]
     return f, 3.5 * f  # backward ~2.5x forward for attention (recompute of scores included)

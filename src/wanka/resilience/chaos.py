@@ -10,24 +10,46 @@ A schedule is `;`-separated faults, each `KIND@key=value,...`:
     sigterm@step=120           SIGTERM to the job (preemption notice)
     corrupt_ckpt@step=70       flip bytes in the newest complete checkpoint
     truncate_ckpt@step=70      cut the newest complete checkpoint's largest file in half
+    disk_full@step=20,for=30   fill the checkpoint filesystem for 30 s (or steps=N: N steps);
+                               keep_mb=M leaves M MiB free; max_gb=G raises the safety cap
 `t=SECONDS` (since the job started) may replace `step=`. Each fault fires once, except
 fail_start which fires on `times` consecutive starts. Faults outside a rank's control are
 injected here, in the supervisor; the others (nan, slow, fail_start) travel to the ranks in
 WANKA_CHAOS and fire inside them (resilience/worker.py).
+
+disk_full fills the whole filesystem holding RUN_DIR/checkpoints with a ballast file, which
+would starve every other process using it: it refuses a filesystem larger than a cap (4 GiB;
+WANKA_CHAOS_FILL_MAX_GB or max_gb= raise it). Put the checkpoints on a small filesystem of
+their own: `small_filesystem()` mounts a size-limited tmpfs there (root on Linux), as
+`wanka chaos drill --ckpt-fs-mb N` does.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from wanka.resilience.heartbeat import Beat
 
-OUTSIDE = ("kill", "stop", "node_kill", "sigterm", "corrupt_ckpt", "truncate_ckpt")
+OUTSIDE = ("kill", "stop", "node_kill", "sigterm", "corrupt_ckpt", "truncate_ckpt", "disk_full")
 INSIDE = ("nan", "slow", "fail_start")
+FLOAT_PARAMS = ("for", "max_gb")  # every other parameter is an integer
+DISK_FULL_PARAMS = ("for", "steps", "keep_mb", "max_gb")
+DISK_FULL_FOR_S = 30.0  # how long the disk stays full when neither for= nor steps= says
+BALLAST = ".chaos-ballast"  # in RUN_DIR/checkpoints; never matches a checkpoint's name
+FILL_CAP_ENV = "WANKA_CHAOS_FILL_MAX_GB"
+FILL_CAP_GB = 4.0
+MIB, GIB = 1 << 20, 1 << 30
 
 
 @dataclass
@@ -36,11 +58,15 @@ class Fault:
     step: int | None = None
     t: float | None = None
     rank: int | None = None
-    params: dict[str, int] = field(default_factory=dict)
+    params: dict[str, float] = field(default_factory=dict)
     id: int = 0
 
     def spec(self) -> str:
         keys = {"step": self.step, "t": self.t, "rank": self.rank, **self.params}
+        # for=600 reads back as written, not as 600.0
+        keys = {
+            k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in keys.items()
+        }
         return self.kind + "@" + ",".join(f"{k}={v}" for k, v in keys.items() if v is not None)
 
 
@@ -58,7 +84,7 @@ def parse_schedule(text: str) -> list[Fault]:
         for kv in filter(None, (x.strip() for x in rest.split(","))):
             k, eq, v = kv.partition("=")
             try:
-                val = float(v) if k == "t" else int(v)
+                val = float(v) if k == "t" or k in FLOAT_PARAMS else int(v)
             except ValueError:
                 raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number") from None
             if not eq:
@@ -66,13 +92,30 @@ def parse_schedule(text: str) -> list[Fault]:
             if k in ("step", "t", "rank"):
                 setattr(f, k, val)
             else:
-                f.params[k] = int(val)
+                f.params[k] = val
         if kind != "fail_start" and f.step is None and f.t is None:
             raise ValueError(f"chaos fault {item!r}: say when, with step=N or t=SECONDS")
+        if kind == "disk_full":
+            _check_disk_full(f, item)
         if kind in ("kill", "stop", "nan", "slow") and f.rank is None:
             f.rank = 0
         faults.append(f)
     return faults
+
+
+def _check_disk_full(f: Fault, item: str) -> None:
+    """A typo in a fault that fills a disk must not pass silently."""
+    takes = "disk_full takes for=SECONDS or steps=N, keep_mb=MIB, max_gb=GIB"
+    unknown = [k for k in f.params if k not in DISK_FULL_PARAMS]
+    if unknown or f.rank is not None:
+        raise ValueError(f"chaos fault {item!r}: unknown parameter {(unknown or ['rank'])[0]!r} ({takes})")  # fmt: skip
+    if "for" in f.params and "steps" in f.params:
+        raise ValueError(f"chaos fault {item!r}: give for=SECONDS or steps=N, not both")
+    for k in ("for", "steps", "max_gb"):
+        if k in f.params and f.params[k] <= 0:
+            raise ValueError(f"chaos fault {item!r}: {k} must be > 0 ({takes})")
+    if f.params.get("keep_mb", 0) < 0:
+        raise ValueError(f"chaos fault {item!r}: keep_mb must be >= 0 ({takes})")
 
 
 class ChaosDriver:
@@ -92,6 +135,14 @@ class ChaosDriver:
             f.id: f.params.get("times", 1) for f in faults if f.kind == "fail_start"
         }
         self._collect_inside_marks()  # a resubmitted job must not replay faults that fired
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ballasts: dict[int, Ballast] = {}  # fault id -> the file filling the disk now
+        self._owner = os.getpid()  # forked ranks inherit atexit handlers: only we release
+        self._atexit = False
+        remove_ballast(self.ckpt_dir)  # left behind by a supervisor that was SIGKILLed
+        for f in faults:  # refuse now, in one line, rather than at step N of a long job
+            if f.kind == "disk_full":
+                check_fill_allowed(self.ckpt_dir, fill_cap_bytes(f))
 
     def worker_spec(self) -> str:
         """Inside faults not yet fired, for the ranks of the next attempt."""
@@ -116,6 +167,7 @@ class ChaosDriver:
         return self.fired_rank.get(rank) if rank is not None else None
 
     def poll(self, beats: dict[int, Beat], now: float, attempt: int) -> None:
+        self._release_due(beats, now)
         if not beats:
             return
         step = max(b.step for b in beats.values())
@@ -156,9 +208,198 @@ class ChaosDriver:
         elif f.kind == "sigterm":
             self.sigterm_time = time.time()
             os.kill(self.job_pid, signal.SIGTERM)  # the job gets the notice; it reaches the ranks
+        elif f.kind == "disk_full":
+            return self._fill(f, beats)
         else:
             return damage_latest_checkpoint(self.run_dir / "checkpoints", f.kind)
         return True
+
+    # -- disk_full -----------------------------------------------------------------------------
+    def _fill(self, f: Fault, beats: dict[int, Beat]) -> bool:
+        try:
+            path = fill_disk(self.ckpt_dir, int(f.params.get("keep_mb", 0) * MIB),
+                             fill_cap_bytes(f), name=f"{BALLAST}-{f.id}")  # fmt: skip
+        except (ValueError, OSError) as e:  # refused (safety cap) or failed: never retried
+            self.fired[f.id] = time.time()
+            print(f"wanka train: chaos {f.spec()} not injected: {e}", file=sys.stderr, flush=True)
+            return False
+        now = time.time()
+        base = f.step if f.step is not None else max(b.step for b in beats.values())
+        self.ballasts[f.id] = Ballast(
+            path,
+            until_t=None if "steps" in f.params else now + f.params.get("for", DISK_FULL_FOR_S),
+            until_step=base + int(f.params["steps"]) if "steps" in f.params else None,
+        )
+        if not self._atexit:  # whatever ends the supervisor, the disk is not left full
+            atexit.register(self.close)
+            self._atexit = True
+        free = shutil.disk_usage(self.ckpt_dir).free / MIB
+        print(f"wanka train: chaos {f.spec()}: filled the filesystem of {self.ckpt_dir} "
+              f"({free:.1f} MiB left free)", file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+    def _release_due(self, beats: dict[int, Beat], now: float) -> None:
+        step = max((b.step for b in beats.values()), default=None)
+        for fid, b in list(self.ballasts.items()):
+            if (b.until_t is not None and now >= b.until_t) or (
+                b.until_step is not None and step is not None and step >= b.until_step
+            ):
+                self._release(fid)
+
+    def _release(self, fid: int) -> None:
+        ballast = self.ballasts.pop(fid, None)
+        if ballast is not None:
+            ballast.path.unlink(missing_ok=True)
+            print(f"wanka train: chaos: {ballast.path} removed, the disk has room again",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        """Remove every ballast still in place (the job ended before its time was up)."""
+        if os.getpid() != self._owner:
+            return
+        for fid in list(self.ballasts):
+            self._release(fid)
+
+
+@dataclass
+class Ballast:
+    path: Path
+    until_t: float | None  # released at this time (for=SECONDS) ...
+    until_step: int | None  # ... or once the job reaches this step (steps=N)
+
+
+def fill_cap_bytes(f: Fault | None = None) -> int:
+    """The largest filesystem disk_full may fill: the fault's max_gb, else the environment's
+    WANKA_CHAOS_FILL_MAX_GB, else 4 GiB."""
+    if f is not None and "max_gb" in f.params:
+        return int(f.params["max_gb"] * GIB)
+    env = os.environ.get(FILL_CAP_ENV, "")
+    try:
+        gb = float(env) if env else FILL_CAP_GB
+    except ValueError:
+        raise ValueError(f"{FILL_CAP_ENV}={env!r} must be a number of GiB") from None
+    return int(gb * GIB)
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_fill_allowed(path: Path, cap_bytes: int) -> None:
+    """Refuse (ValueError, one line) to fill a filesystem larger than the cap: a shared disk
+    filled to the brim breaks every other process on it."""
+    total = shutil.disk_usage(_existing(path)).total
+    if total > cap_bytes:
+        raise ValueError(f"disk_full would fill the {total / GIB:.1f} GiB filesystem holding {path}, "
+                         f"over the {cap_bytes / GIB:g} GiB safety cap: put the checkpoints on a small "
+                         "filesystem of their own (mount -t tmpfs -o size=128m tmpfs DIR, or wanka "
+                         f"chaos drill --ckpt-fs-mb 128) or raise the cap ({FILL_CAP_ENV}=GIB or "
+                         "max_gb=GIB in the fault)")  # fmt: skip
+
+
+def free_bytes(path: Path) -> int:
+    """Room left for this process: root may also use the blocks reserved for root."""
+    st = os.statvfs(_existing(path))
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def fill_disk(root: Path, keep_bytes: int, cap_bytes: int, name: str = BALLAST) -> Path:
+    """Fill the filesystem holding `root` with the ballast file root/name, leaving about
+    keep_bytes free; returns its path. Refuses filesystems over cap_bytes."""
+    root.mkdir(parents=True, exist_ok=True)
+    check_fill_allowed(root, cap_bytes)
+    path = root / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        size = free_bytes(root) - keep_bytes
+        if size > 0:
+            _allocate(fd, size, keep_bytes)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return path
+
+
+def _allocate(fd: int, size: int, keep_bytes: int) -> None:
+    """Real blocks, not a sparse file. fallocate takes milliseconds; where the exact size does
+    not fit (the file's own metadata needs blocks too) or fallocate is not supported, allocate
+    a little less and write zeros to the brim (the supervisor's monitor waits meanwhile)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError:
+        pass
+    if size > 16 * MIB:
+        try:
+            os.posix_fallocate(fd, 0, size - 16 * MIB)
+        except OSError:
+            pass
+    end = os.lseek(fd, 0, os.SEEK_END)
+    for chunk in (bytes(MIB), bytes(4096), bytes(512)):  # down to the last block
+        try:
+            while True:
+                end += os.write(fd, chunk)
+        except OSError:
+            pass
+    if keep_bytes:
+        os.ftruncate(fd, max(end - keep_bytes, 0))
+
+
+def remove_ballast(root: Path) -> list[Path]:
+    """Delete every ballast file in root (returns what it removed)."""
+    gone = sorted(root.glob(BALLAST + "*")) if root.is_dir() else []
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
+@contextmanager
+def small_filesystem(path: Path, size_mb: int) -> Iterator[Path]:
+    """Mount a size_mb MiB tmpfs at `path` (an empty or new directory) for the block, so a
+    disk_full drill fills it and nothing else; unmounted afterwards, whatever happens (its
+    files go with it). Needs root on Linux; ValueError in one line when it cannot."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if any(path.iterdir()):
+        raise ValueError(f"{path} is not empty: a filesystem mounted there would hide its files "
+                         "(use a new run directory)")  # fmt: skip
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_mb)}m", "tmpfs", str(path)],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode:
+        why = (r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1]
+        raise ValueError(f"cannot mount a {size_mb} MiB tmpfs at {path} ({why}): run as root on "
+                         "Linux, or put the checkpoints on a small filesystem yourself")  # fmt: skip
+    try:
+        yield path
+    finally:
+        _unmount(path)
+
+
+def _unmount(path: Path) -> None:
+    for _ in range(20):  # a process that just exited may still hold a file open for a moment
+        if subprocess.run(["umount", str(path)], capture_output=True, check=False).returncode == 0:
+            return
+        time.sleep(0.25)
+    subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)  # detach
+
+
+def tmpfs_unavailable() -> str | None:
+    """Why a tmpfs cannot be mounted here (None when it can): the tests skip with this."""
+    if sys.platform != "linux":
+        return "mounting a tmpfs needs Linux"
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            with small_filesystem(Path(d), 1):
+                return None
+        except ValueError as e:
+            return str(e)
 
 
 def damage_latest_checkpoint(root: Path, kind: str) -> bool:

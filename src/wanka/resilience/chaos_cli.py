@@ -16,7 +16,7 @@ def _drill(a: argparse.Namespace) -> int:
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
                    operator_timeout_s=a.operator_timeout,
                    reference=Path(a.reference) if a.reference else None,
-                   wanka=not a.baseline_only)  # fmt: skip
+                   wanka=not a.baseline_only, ckpt_fs_mb=a.ckpt_fs_mb)  # fmt: skip
     print(format_drill(result))
     print(f"\nfull results: {out / 'drill.json'}")
     run = result["runs"].get("wanka") or result["runs"]["baseline"]
@@ -31,6 +31,16 @@ def _show(a: argparse.Namespace) -> int:
         raise ValueError(f"no drill results at {path}: run `wanka chaos drill --out {a.out}` first")
     print(format_drill(json.loads(path.read_text())))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of MiB (e.g. 128)")
+    return n
 
 
 def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +61,9 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a finished fault-free run of the same config, instead of running one")  # fmt: skip
     d.add_argument("--operator-timeout", type=float, default=60.0,
                    help="baseline: seconds without progress before the job is killed and resubmitted")  # fmt: skip
+    d.add_argument("--ckpt-fs-mb", type=_positive_int, default=None, metavar="MIB",
+                   help="put each run's checkpoints on a tmpfs of this size (root on Linux; "
+                        "unmounted after the run, its checkpoints with it), for disk_full faults")  # fmt: skip
     d.set_defaults(fn=_drill)
     s = sub.add_parser("show", help="print the tables of a finished drill")
     s.add_argument("--out", default="runs/drill")

@@ -10,6 +10,8 @@ Three runs of the same job and seed, one after the other on this machine:
 A job that stops on request (SIGTERM, exit 75) is resubmitted at once, in both set-ups.
 Per fault: detected, detection latency, time from the fault to the first new productive
 step, steps lost; per run: goodput and whether the final state equals the reference.
+With `ckpt_fs_mb`, each run's checkpoints live on a tmpfs of that size (mounted for the run,
+gone after it), so a disk_full fault fills that and nothing else.
 """
 
 from __future__ import annotations
@@ -20,15 +22,27 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from wanka.resilience.chaos import ChaosDriver, parse_schedule
+from wanka.resilience.chaos import (
+    ChaosDriver,
+    check_fill_allowed,
+    fill_cap_bytes,
+    parse_schedule,
+    remove_ballast,
+    small_filesystem,
+)
 from wanka.resilience.goodput import TimelineWriter, compute_goodput, read_timeline
 from wanka.resilience.heartbeat import read_all
 
 DEFAULT_SCHEDULE = ("kill@step=8,rank=1;stop@step=16,rank=0;nan@step=22,rank=1;"
                     "sigterm@step=28;corrupt_ckpt@step=33;node_kill@step=36")  # fmt: skip
 EXIT_PREEMPTED = 75
+# Faults that show only when the checkpoints are next touched (read after damage, written on
+# a full disk): their detection may come after later faults, and only as this cause.
+SHOWS_LATER = {"corrupt_ckpt": "checkpoint_corrupt", "truncate_ckpt": "checkpoint_corrupt",
+               "disk_full": "checkpoint_write_failed"}  # fmt: skip
 
 
 def _wanka(args: list[str]) -> list[str]:
@@ -76,16 +90,20 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
                 f"--max-restarts={max_restarts}", "--standalone",
                 "-m", "wanka.cli", "train", *([config] if config else []),
                 *sum((["--set", s] for s in sets), [])]  # fmt: skip
+        # A plain training script dies on a failed checkpoint write (torchrun then restarts it).
         env = {**os.environ, "WANKA_HB_DIR": str(hb_dir), "WANKA_TIMELINE": "1",
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+               "OMP_NUM_THREADS": "1", "WANKA_CHECKPOINT_FAILURES": "fatal"}  # fmt: skip
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
         if driver is None:
             driver = ChaosDriver(parse_schedule(schedule), run_dir, job_id(run_dir), "/dev/shm/wanka",
                                  timeline, job_pid=proc.pid)  # fmt: skip
         driver.job_pid = proc.pid
-        stalled = _drive(proc, driver, hb_dir, operator_timeout_s, timeline)
-        rc = proc.wait()
+        try:
+            stalled = _drive(proc, driver, hb_dir, operator_timeout_s, timeline)
+            rc = proc.wait()
+        finally:
+            driver.close()  # a full disk never outlives the job that was to suffer it
         if stalled:
             continue  # the operator resubmits
         if rc != EXIT_PREEMPTED and rc != 1 or _summary(run_dir):
@@ -127,10 +145,16 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
 
 def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
           baseline: bool = True, operator_timeout_s: float = 60.0,
-          reference: Path | None = None, wanka: bool = True) -> dict:  # fmt: skip
+          reference: Path | None = None, wanka: bool = True,
+          ckpt_fs_mb: int | None = None) -> dict:  # fmt: skip
     """`reference`: a finished fault-free run of the same config to compare with, instead of
-    running one (its resolved config must match, or the comparison means nothing)."""
-    parse_schedule(schedule)  # bad schedules fail here, in one line
+    running one (its resolved config must match, or the comparison means nothing).
+    `ckpt_fs_mb`: each run's checkpoints on a tmpfs of that many MiB (root on Linux)."""
+    faults = parse_schedule(schedule)  # bad schedules fail here, in one line
+    if not ckpt_fs_mb:  # refuse a disk_full that would fill this disk now, not in a later run
+        for f in faults:
+            if f.kind == "disk_full":
+                check_fill_allowed(out_dir, fill_cap_bytes(f))
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "drill.log", "a")  # noqa: SIM115
     runs: dict[str, dict] = {}
@@ -151,7 +175,14 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
         if run_dir.exists():
             raise ValueError(f"{run_dir} exists: give the drill a fresh --out directory")
         print(f"drill: {name} run in {run_dir}", flush=True)
-        res = fn(run_dir)
+        ckpt_fs = (
+            small_filesystem(run_dir / "checkpoints", ckpt_fs_mb) if ckpt_fs_mb else nullcontext()
+        )
+        with ckpt_fs:
+            try:
+                res = fn(run_dir)
+            finally:
+                remove_ballast(run_dir / "checkpoints")  # whatever happened to the job
         res["digest"] = _summary(run_dir).get("state_digest")
         res["val_loss"] = _summary(run_dir).get("val_loss")
         tl = run_dir / "resilience" / "timeline.jsonl"
@@ -193,20 +224,26 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
     rows = []
     for i, (t_inj, kind) in enumerate(injections):
         t_next = injections[i + 1][0] if i + 1 < len(injections) else float("inf")
-        # Damage to a checkpoint shows only when it is next read: look past the next fault.
-        until = float("inf") if kind in ("corrupt_ckpt", "truncate_ckpt") else t_next
+        cause = SHOWS_LATER.get(kind)
+        until = float("inf") if cause else t_next
         det = next((d for d in detections if t_inj <= (d["t1"] or d["t0"]) < until
-                    and (until == t_next or d.get("cause") == "checkpoint_corrupt")), None)  # fmt: skip
+                    and (cause is None or d.get("cause") == cause)), None)  # fmt: skip
         before = [e["step"] for e in steps if e["t0"] < t_inj]
         interrupted = max(before) if before else 0
         after = [e for e in steps if e["t0"] >= t_inj and e["t0"] < t_next]
         done = next((e for e in after if e["step"] >= interrupted), None)
+        to_productive = done["t1"] - t_inj if done else None
+        if kind == "disk_full" and det is not None:
+            # Training never stopped; what counts is how soon it went on after the failed
+            # write: the end of the first step begun after the detection.
+            t_det = det["t1"] or det["t0"]
+            nxt = next((e for e in steps if e["t0"] >= t_det), None)
+            to_productive = nxt["t1"] - t_det if nxt else None
         redone = {e["step"] for e in after if e["step"] < interrupted}
         rows.append({"kind": kind, "t": t_inj, "detected": det is not None,
                      "detect_s": (det["t1"] or det["t0"]) - t_inj if det else None,
                      "detected_as": det.get("cause") if det else None,
-                     "to_productive_s": done["t1"] - t_inj if done else None,
-                     "steps_lost": len(redone)})  # fmt: skip
+                     "to_productive_s": to_productive, "steps_lost": len(redone)})  # fmt: skip
     return rows
 
 
@@ -231,11 +268,11 @@ def format_drill(result: dict) -> str:
         lines.append(f"\n== {name}: goodput {100 * r.get('goodput', 0):.1f}% | wall {r['wall_s']:.1f} s"
                      f" | submissions {r['submissions']} | final state "
                      f"{'== reference' if r['state_equal'] else '!= reference'} | exit {r['rc']}")  # fmt: skip
-        lines.append(f"  {'fault':<14}{'detected':>9}{'as':>20}{'detect s':>10}"
+        lines.append(f"  {'fault':<14}{'detected':>9}{'as':>25}{'detect s':>10}"
                      f"{'to productive s':>17}{'steps lost':>12}")  # fmt: skip
         for f in r.get("injected", []):
             lat, rec = f["detect_s"], f["to_productive_s"]
             lines.append(f"  {f['kind']:<14}{'yes' if f['detected'] else 'no':>9}"
-                         f"{str(f['detected_as'] or '-'):>20}{'-' if lat is None else f'{lat:.2f}':>10}"
+                         f"{str(f['detected_as'] or '-'):>25}{'-' if lat is None else f'{lat:.2f}':>10}"
                          f"{'-' if rec is None else f'{rec:.2f}':>17}{f['steps_lost']:>12}")  # fmt: skip
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -218,13 +219,13 @@ def format_goodput(g: Goodput) -> str:
         lines.append("faults: none")
         return "\n".join(lines)
     lines.append(f"faults: {len(g.faults)}")
-    lines.append(f"  {'at s':>8s}  {'cause':16s} {'node':12s} {'rank':>4s} {'injected':8s} "
+    lines.append(f"  {'at s':>8s}  {'cause':24s} {'node':12s} {'rank':>4s} {'injected':8s} "
                  f"{'detect s':>8s} {'recover s':>9s} {'lost steps':>10s}  detail")  # fmt: skip
     for f in g.faults:
         lat = "-" if f["latency_s"] is None else f"{f['latency_s']:.2f}"
         rec = "-" if f["recovery_s"] is None else f"{f['recovery_s']:.2f}"
         rank = "-" if f["rank"] is None else str(f["rank"])
-        lines.append(f"  {f['t']:8.1f}  {f['cause']:16s} {f['node'] or '-':12s} {rank:>4s} "
+        lines.append(f"  {f['t']:8.1f}  {f['cause']:24s} {f['node'] or '-':12s} {rank:>4s} "
                      f"{'yes' if f['injected'] else 'no':8s} {lat:>8s} {rec:>9s} "
                      f"{f['steps_lost']:10d}  {f['detail']}")  # fmt: skip
     return "\n".join(lines)
@@ -297,6 +298,7 @@ class TimelineWriter:
         self.path = Path(path)
         self.attempt = attempt
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._warned = False
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         # A process killed mid-line left no newline: start on a fresh line so our first event
         # is not glued to the fragment (the reader skips the fragment; blank lines are fine).
@@ -311,7 +313,13 @@ class TimelineWriter:
         """One event; t1=None is an instant (or, for "job", a job still running)."""
         ev = {"kind": kind, "t0": float(t0), "t1": None if t1 is None else float(t1),
               "attempt": self.attempt, **extra}  # fmt: skip
-        os.write(self._fd, (json.dumps(ev, default=str) + "\n").encode())
+        try:
+            os.write(self._fd, (json.dumps(ev, default=str) + "\n").encode())
+        except OSError as e:  # a full disk must not kill training over its own accounting
+            if not self._warned:
+                self._warned = True
+                print(f"wanka: timeline event not recorded ({e.strerror}); goodput figures of "
+                      "this run will miss what happens meanwhile", file=sys.stderr, flush=True)  # fmt: skip
 
     @contextmanager
     def span(self, kind: str, **extra) -> Iterator[dict]:

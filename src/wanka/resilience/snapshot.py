@@ -1,51 +1,109 @@
 """In-memory snapshots: every rank's state after a step, in shared memory outside the process.
 
-SNAP_DIR/<job>/<node>/rank{R}/step-XXXXXXXX.<layout>.pt holds rank R's *local* shards (model,
-optimizer, loader, RNG) as plain tensors: no collective is needed to write one, and a restart
-with the same layout reads them back in milliseconds instead of loading a DCP checkpoint.
-A copy goes to a buddy rank on another node (SNAP_DIR/<job>/<buddy node>/replica-rank{R}/...),
-so losing a node's memory loses nothing. Snapshots are staged synchronously (a clone) and
-written and replicated by one background thread on its own gloo group, so the training
-collectives never interleave with the replica traffic. DCP checkpoints stay the fallback: they
-also load on a different world size, snapshots only on the same layout.
+A rank's snapshot lives in two *slots*, files in SNAP_DIR/<job>/<node>/rank{R}/ that the rank
+keeps mapped (MAP_SHARED, normally on tmpfs): slot{S}.<layout>.bin holds every tensor of its
+*local* state (model and optimizer shards, RNG) back to back, and step-XXXXXXXX.s{S}.<layout>.meta
+(pickled: the tensor table, and everything that is not a tensor) commits it. Saving copies the
+live tensors straight into the slot the newest snapshot is not in (one memcpy per tensor, in
+the training thread, no serialisation), then renames the meta into place: a rank killed
+mid-copy leaves the other slot and its meta intact, and the meta of the slot being written is
+removed before the copy starts. The pages belong to the file, so they outlive the process.
+
+A copy goes to a buddy rank on another node (SNAP_DIR/<job>/<buddy node>/replica-rank{R}/, the
+same layout), sent by a background thread on its own gloo group straight from the mapped slot
+into the buddy's mapped slot, so losing a node's memory loses nothing; the training thread waits
+only if it comes back to a slot whose copy is still in flight. DCP checkpoints stay the
+fallback: they also load on a different world size, snapshots only on the same layout.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
+import pickle
 import queue
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("wanka.snapshot")
+_ALIGN = 64  # every tensor starts on a 64-byte boundary, so any dtype view of the slot is legal
 
 
 def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _stage(obj: Any) -> Any:
-    """A detached CPU copy of every tensor, DTensors reduced to their local shard."""
+class _Ref(NamedTuple):
+    """Stands for tensor number `i` of the slot in a meta's pickled skeleton."""
+
+    i: int
+
+
+def _live(obj: Any) -> Any:
+    """The same structure with every tensor as a CPU tensor, no copy on CPU. It runs every
+    step over ~300 tensors, so it skips what costs Python time and changes nothing here: the
+    autograd wrapper of DTensor.to_local (the states are plain after a step) and detach."""
     if isinstance(obj, torch.Tensor):
-        return _local(obj).detach().to("cpu", copy=True)
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        t = t.detach() if t.requires_grad else t
+        return t if t.device.type == "cpu" else t.to("cpu")
     if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
+        return {k: _live(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_stage(v) for v in obj)
+        return type(obj)(_live(v) for v in obj)
     return obj
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> dict:
-    return {"model": _stage(model.state_dict()), "optim": _stage(optimizer.state_dict()),
+    """A view of a rank's live local state (DTensors reduced to their shards). It aliases the
+    model and optimizer on CPU: copy it (SnapshotStore.save does) before the next step."""
+    return {"model": _live(model.state_dict()), "optim": _live(optimizer.state_dict()),
             "rng": torch.get_rng_state(), "extra": extra}  # fmt: skip
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Ref(len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not isinstance(obj, _Ref):
+        return type(obj)(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Ref):
+        return tensors[obj.i]
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_unflatten(v, tensors) for v in obj)
+    return obj
+
+
+def _table(tensors: list[torch.Tensor]) -> tuple[list[tuple], int]:
+    """(dtype name, shape, byte offset) per tensor, and the slot size."""
+    table, offset = [], 0
+    for t in tensors:
+        table.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return table, offset
+
+
+def _views(buf: torch.Tensor, table: list[tuple]) -> list[torch.Tensor]:
+    out = []
+    for dtype_name, shape, offset in table:
+        dtype = getattr(torch, dtype_name)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[offset : offset + n].view(dtype).view(shape))
+    return out
 
 
 @torch.no_grad()
@@ -86,11 +144,11 @@ def layout_signature(model: torch.nn.Module, world_size: int, model_config: str 
 
 class SnapshotStore:
     def __init__(self, root: Path, job: str, node: str, rank: int, world_size: int,
-                 local_world_size: int, replica: bool, signature: str, keep: int = 2) -> None:  # fmt: skip
+                 local_world_size: int, replica: bool, signature: str) -> None:  # fmt: skip
         self.signature = signature  # in every file name: only the same layout restores
         self.job_dir = Path(root) / job
         self.dir = self.job_dir / node / f"rank{rank}"
-        self.node, self.rank, self.world, self.keep = node, rank, world_size, keep
+        self.node, self.rank, self.world = node, rank, world_size
         self.dir.mkdir(parents=True, exist_ok=True)
         # Buddy = the same local rank on the next node; only useful with more than one node.
         nodes = max(world_size // max(local_world_size, 1), 1)
@@ -98,21 +156,48 @@ class SnapshotStore:
         self.recv_from = (
             (rank - local_world_size) % world_size if self.send_to is not None else None
         )
-        self._group = dist.new_group(backend="gloo") if self.send_to is not None else None
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self.replica_dir = self.dir.parent / f"replica-rank{self.recv_from}"
+        self._maps: dict[Path, torch.Tensor] = {}  # slot file -> its mapping, kept for reuse
+        self._views: dict[Path, tuple] = {}  # slot file -> (table, mapping, tensor views)
+        self._newest_slot: int | None = None  # known after the first save, else read from disk
+        self._free = [threading.Event(), threading.Event()]  # slot not being sent to the buddy
+        for ev in self._free:
+            ev.set()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="wanka-snapshot", daemon=True)
-        self._thread.start()
-        for d in (self.dir, self.dir.parent / f"replica-rank{self.recv_from}"):
-            for tmp in d.glob("*.tmp*") if d.is_dir() else ():
-                tmp.unlink(missing_ok=True)  # left by a rank killed mid-write
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = None
+        if self.send_to is not None:
+            self._group = dist.new_group(backend="gloo")
+            self._thread = threading.Thread(target=self._loop, name="wanka-snapshot", daemon=True)
+            self._thread.start()
+        for d in (self.dir, self.replica_dir):
+            _sweep(d, signature)
 
     # -- writing -----------------------------------------------------------------------------
+    @torch.no_grad()
     def save(self, step: int, state: dict) -> None:
-        """Queue a staged state; blocks only while the previous snapshot is still in flight."""
+        """Copy `state` (see capture) into the free slot and commit it; queue the replica."""
         if self._error is not None:
             raise RuntimeError(f"snapshot writer failed: {self._error}")
-        self._queue.put((step, state))
+        tensors: list[torch.Tensor] = []
+        skeleton = _flatten(state, tensors)
+        table, size = _table(tensors)
+        slot = self._next_slot(self.dir) if self._newest_slot is None else 1 - self._newest_slot
+        self._free[slot].wait()  # its previous contents may still be on their way to the buddy
+        for meta in self.dir.glob(f"step-*.s{slot}.{self.signature}.meta"):
+            meta.unlink()  # the slot is about to change: it no longer holds that step
+        path = self.dir / f"slot{slot}.{self.signature}.bin"
+        buf = self._map(path, size)
+        views = self._views.get(path)
+        if views is None or views[0] != table or views[1] is not buf:
+            views = self._views[path] = (table, buf, _views(buf, table))
+        torch._foreach_copy_(views[2], tensors)  # one call: ~300 tensors, little Python
+        meta = pickle.dumps({"step": step, "table": table, "size": size, "skeleton": skeleton})
+        _atomic_write(self.dir / _meta_name(step, slot, self.signature), meta)
+        self._newest_slot = slot
+        if self._thread is not None:
+            self._free[slot].clear()
+            self._queue.put((step, slot, meta))
 
     def wait(self) -> None:
         self._queue.join()
@@ -122,11 +207,33 @@ class SnapshotStore:
     def close(self, discard: bool = False) -> None:
         """Stop the writer; `discard` (the job finished) frees this rank's shared memory."""
         self.wait()
-        self._queue.put(None)
+        if self._thread is not None:
+            self._queue.put(None)
+        self._maps.clear()
+        self._views.clear()
         if discard:
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.recv_from is not None:
-                shutil.rmtree(self.dir.parent / f"replica-rank{self.recv_from}", ignore_errors=True)
+                shutil.rmtree(self.replica_dir, ignore_errors=True)
+
+    def _next_slot(self, d: Path) -> int:
+        """The slot the newest committed snapshot in `d` is not in."""
+        newest = max(_committed(d, self.signature), default=None)
+        return 0 if newest is None else 1 - newest[1]
+
+    def _map(self, path: Path, size: int) -> torch.Tensor:
+        """The slot file mapped shared (what is written there outlives this process)."""
+        buf = self._maps.get(path)
+        # A mapping of a file that was removed (node memory lost) writes into nothing.
+        if buf is None or buf.numel() != size or not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and path.stat().st_size != size:
+                path.unlink()  # the state's layout changed (e.g. optimizer state appeared)
+            with open(path, "ab") as f:
+                f.truncate(size)
+            buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            self._maps[path] = buf
+        return buf
 
     def _loop(self) -> None:
         while True:
@@ -134,51 +241,40 @@ class SnapshotStore:
             try:
                 if item is None:
                     return
-                step, state = item
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                payload = buf.getvalue()
-                # Exchange first: the buddy waits for us even if our own write then fails
-                # (full tmpfs); the failure surfaces as this rank's error, not as a hang.
-                if self._group is not None:
-                    self._exchange(step, payload)
-                _atomic_write(self.dir / self._name(step), payload)
-                self._prune(self.dir)
+                step, slot, meta = item
+                self._exchange(step, slot, meta)
             except BaseException as e:  # surfaced on the next save() in the training thread
                 self._error = e
-                log.error("snapshot writer: %s", e)
+                log.error("snapshot replica: %s", e)
             finally:
+                if item is not None:
+                    self._free[item[1]].set()
                 self._queue.task_done()
 
-    def _exchange(self, step: int, payload: bytes) -> None:
-        out = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        n_out = torch.tensor([out.numel()], dtype=torch.int64)
-        n_in = torch.zeros(1, dtype=torch.int64)
-        ops = [dist.P2POp(dist.isend, n_out, self.send_to, self._group),
-               dist.P2POp(dist.irecv, n_in, self.recv_from, self._group)]  # fmt: skip
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        inp = torch.empty(int(n_in), dtype=torch.uint8)
+    def _exchange(self, step: int, slot: int, meta: bytes) -> None:
+        """Send my slot to my buddy while receiving the same step from the rank I back up."""
+        out_meta = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+        out = self._maps[self.dir / f"slot{slot}.{self.signature}.bin"]
+        sizes_out = torch.tensor([out_meta.numel(), out.numel(), slot], dtype=torch.int64)
+        sizes_in = torch.zeros(3, dtype=torch.int64)
+        self._p2p(sizes_out, sizes_in)
+        n_meta, n_data, in_slot = (int(x) for x in sizes_in)
+        for old in self.replica_dir.glob(f"step-*.s{in_slot}.{self.signature}.meta"):
+            old.unlink()
+        self.replica_dir.mkdir(parents=True, exist_ok=True)
+        inp = self._map(self.replica_dir / f"slot{in_slot}.{self.signature}.bin", n_data)
+        inp_meta = torch.empty(n_meta, dtype=torch.uint8)
+        self._p2p(out_meta, inp_meta)
+        self._p2p(out, inp)  # straight from my mapping into the buddy's
+        in_step = pickle.loads(inp_meta.numpy().tobytes())["step"]
+        name = _meta_name(in_step, in_slot, self.signature)
+        _atomic_write(self.replica_dir / name, inp_meta.numpy().tobytes())
+
+    def _p2p(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         ops = [dist.P2POp(dist.isend, out, self.send_to, self._group),
                dist.P2POp(dist.irecv, inp, self.recv_from, self._group)]  # fmt: skip
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        rdir = self.dir.parent / f"replica-rank{self.recv_from}"
-        rdir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(rdir / self._name(step), inp.numpy().tobytes())
-        self._prune(rdir)
-
-    def _name(self, step: int) -> str:
-        return f"step-{step:08d}.{self.signature}.pt"
-
-    def _prune(self, d: Path) -> None:
-        for old in sorted(d.glob("step-*.pt"))[: -self.keep]:
-            old.unlink(missing_ok=True)
-
-    def _steps(self, d: Path) -> list[int]:
-        return [
-            int(p.name.split(".")[0].split("-")[1]) for p in d.glob(f"step-*.{self.signature}.pt")
-        ]
 
     # -- restoring (collective: every rank calls it) -----------------------------------------
     def restore(self) -> tuple[int, dict] | None:
@@ -186,11 +282,11 @@ class SnapshotStore:
         missing ones from their holders, return (step, state) or None if some rank has none."""
         mine = {"rank": self.rank, "sig": self.signature, "have": {}}
         # What I hold: my own snapshots and the replicas I received (they live on my node).
-        mine["have"][self.rank] = self._steps(self.dir)
+        mine["have"][self.rank] = [s for s, _ in _committed(self.dir, self.signature)]
         if self.recv_from is not None:
-            mine["have"][self.recv_from] = self._steps(
-                self.dir.parent / f"replica-rank{self.recv_from}"
-            )
+            mine["have"][self.recv_from] = [
+                s for s, _ in _committed(self.replica_dir, self.signature)
+            ]
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if any(g["sig"] != self.signature for g in gathered):
@@ -204,30 +300,81 @@ class SnapshotStore:
         if not common:
             return None
         step = max(common)
-        state_bytes = self._fetch(step, holders)
-        return step, torch.load(io.BytesIO(state_bytes), weights_only=False)
+        self._fetch(step, holders)
+        return step, self._load(self.dir, step)
 
-    def _fetch(self, step: int, holders: dict[int, dict[int, list[int]]]) -> bytes:
-        own = self.dir / self._name(step)
+    def _fetch(self, step: int, holders: dict[int, dict[int, list[int]]]) -> None:
+        """Ranks that lost their copy of `step` get it back from a replica holder (pairwise
+        transfers over the default group, in the same order on every rank)."""
         need = [r for r in range(self.world) if r not in holders[r][step]]
-        data = own.read_bytes() if self.rank not in need else b""
-        for (
-            owner
-        ) in need:  # the same order on every rank: pairwise transfers over the default group
+        for owner in need:
             src = min(holders[owner][step])
             if self.rank == src:
-                payload = (self.dir.parent / f"replica-rank{owner}" / self._name(step)).read_bytes()
-                t = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                dist.send(torch.tensor([t.numel()]), owner)
-                dist.send(t, owner)
+                meta, data = _read(self.replica_dir, step, self.signature)
+                for payload in (meta, data):
+                    t = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    dist.send(torch.tensor([t.numel()]), owner)
+                    dist.send(t, owner)
             elif self.rank == owner:
-                n = torch.zeros(1, dtype=torch.int64)
-                dist.recv(n, src)
-                t = torch.empty(int(n), dtype=torch.uint8)
-                dist.recv(t, src)
-                data = t.numpy().tobytes()
-                _atomic_write(own, data)  # it is mine again, for the next fault
-        return data
+                parts = []
+                for _ in range(2):
+                    n = torch.zeros(1, dtype=torch.int64)
+                    dist.recv(n, src)
+                    t = torch.empty(int(n), dtype=torch.uint8)
+                    dist.recv(t, src)
+                    parts.append(t)
+                # It is mine again, for the next fault: into my free slot, then committed.
+                slot = self._newest_slot = self._next_slot(self.dir)
+                for meta in self.dir.glob(f"step-*.s{slot}.{self.signature}.meta"):
+                    meta.unlink()
+                self._map(self.dir / f"slot{slot}.{self.signature}.bin", parts[1].numel()).copy_(
+                    parts[1]
+                )
+                _atomic_write(
+                    self.dir / _meta_name(step, slot, self.signature), parts[0].numpy().tobytes()
+                )
+
+    def _load(self, d: Path, step: int) -> dict:
+        meta_bytes, data = _read(d, step, self.signature)
+        meta = pickle.loads(meta_bytes)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        # Own storage per tensor: the optimizer keeps what it is given.
+        tensors = [v.clone() for v in _views(buf, meta["table"])]
+        return _unflatten(meta["skeleton"], tensors)
+
+
+def _meta_name(step: int, slot: int, signature: str) -> str:
+    return f"step-{step:08d}.s{slot}.{signature}.meta"
+
+
+def _committed(d: Path, signature: str) -> list[tuple[int, int]]:
+    """(step, slot) of every committed snapshot in `d` whose slot file is whole."""
+    out = []
+    for meta in d.glob(f"step-*.s?.{signature}.meta") if d.is_dir() else ():
+        step_part, slot_part = meta.name.split(".")[:2]
+        step, slot = int(step_part.split("-")[1]), int(slot_part[1:])
+        data = d / f"slot{slot}.{signature}.bin"
+        try:
+            size = pickle.loads(meta.read_bytes())["size"]
+            if data.stat().st_size == size:
+                out.append((step, slot))
+        except (OSError, EOFError, pickle.UnpicklingError, KeyError):
+            continue  # a meta whose slot is gone or half-written meta: not a snapshot
+    return sorted(out)
+
+
+def _read(d: Path, step: int, signature: str) -> tuple[bytes, bytes]:
+    slot = dict(_committed(d, signature))[step]
+    meta = (d / _meta_name(step, slot, signature)).read_bytes()
+    return meta, (d / f"slot{slot}.{signature}.bin").read_bytes()
+
+
+def _sweep(d: Path, signature: str) -> None:
+    """Remove temporaries of a killed writer and the slots of another layout (dead weight in
+    shared memory: a snapshot only restores onto the layout that wrote it)."""
+    for p in d.iterdir() if d.is_dir() else ():
+        if ".tmp" in p.name or (p.suffix in (".bin", ".meta", ".pt") and signature not in p.name):
+            p.unlink(missing_ok=True)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -360,6 +360,7 @@ class Supervisor:
             self.timeline.event(
                 "restart", out.t_detect or time.time(), time.time(), cause=out.cause
             )
+        self.chaos.close()  # a drill's full disk never outlives the job
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
         return rc
 

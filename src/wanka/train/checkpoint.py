@@ -6,16 +6,23 @@ also the manifest: size and SHA-256 of every file. Only marked checkpoints whose
 match their manifest are ever loaded, so a crash mid-save, a truncated or a corrupted file
 falls back to the previous valid checkpoint (the bad one is kept, flagged CORRUPT, never read). DCP stores tensors by
 fully-qualified name and global shape, so a checkpoint saved by N ranks loads on M ranks.
+
+A save that cannot be written (disk full, I/O error) fails alike on every rank and leaves no
+`.partial-` directory behind. A periodic save (`must_succeed=False`) then only logs and reports
+it and the run goes on; the final and the last-gasp checkpoints raise CheckpointWriteError.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +35,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 MARKER = "COMPLETE"
 CORRUPT = "CORRUPT"
+PARTIAL = ".partial-"
+# Set to "fatal" (the drills' torchrun baseline does) and every failed save ends the job, as
+# in a plain training script.
+FAILURES_ENV = "WANKA_CHECKPOINT_FAILURES"
+WARN_IN_A_ROW = 3  # failed saves in a row after which the log says what is at stake
+FULL_BELOW = 1 << 20  # bytes free after a failed write: the disk was full
 log = logging.getLogger("wanka.checkpoint")
+
+
+class CheckpointWriteError(ValueError):
+    """A checkpoint could not be written; raised alike on every rank, its partial directory
+    already removed. A ValueError so that where it ends the job (the final or the last-gasp
+    checkpoint) `wanka train` says why in one line (exit 2) and the supervisor does not retry:
+    a restart cannot free a disk."""
+
+    def __init__(self, step: int, root: Path, reason: str, t0: float) -> None:
+        self.step, self.root, self.reason, self.t0, self.t1 = step, root, reason, t0, time.time()
+        super().__init__(f"checkpoint of step {step} could not be written to {root}: {reason}; "
+                         "free space there (or move run.dir) and run the same command again")  # fmt: skip
 
 
 def _sha256(path: Path) -> str:
@@ -71,6 +96,39 @@ def _last_line(e: BaseException) -> str:
     return text[-1].strip()[:200] if text else type(e).__name__
 
 
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """e, what it was raised from, and each rank's exception inside a CheckpointException."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        todo += [x.__cause__, x.__context__]
+        if isinstance(x, CheckpointException):
+            todo += [f[0] for f in x.failures.values() if isinstance(f, tuple) and f]
+
+
+def write_failure(e: BaseException, root: Path) -> str | None:
+    """One line saying why a checkpoint could not be written (e.g. "No space left on device"),
+    or None when `e` is not a failed write (a bug, which must surface as itself)."""
+    for x in _causes(e):
+        if isinstance(x, OSError):
+            return x.strerror or str(x)
+    if not (isinstance(e, CheckpointException) and e.args[:1] == ("write",)):
+        return None
+    # torch.save's zip writer turns ENOSPC into "unexpected pos N vs M": ask the disk. A failed
+    # write leaves its partial files in place until we remove them, so a full disk is still full.
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if free is not None and free < FULL_BELOW:
+        return f"{os.strerror(errno.ENOSPC)} ({free >> 10} KiB free; DCP: {_last_line(e)})"
+    return _last_line(e)
+
+
 def _diff(saved: str, current: str) -> str:
     a, b = json.loads(saved), json.loads(current)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -95,9 +153,11 @@ class Checkpointer:
                  keep: int, async_save: bool, is_main: bool) -> None:  # fmt: skip
         self.root, self.model, self.optimizer = root, model, optimizer
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
-        self._pending: tuple[Any, Path, int] | None = None
+        self._pending: tuple[Any, Path, int, float, bool] | None = None
         self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
         self.last_save_seconds = 0.0
+        self.failures: list[CheckpointWriteError] = []  # failed writes not yet report()ed
+        self.failed_in_a_row = 0
         # Async saves run DCP's collectives in a background thread: they need their own process
         # group, or they interleave with training collectives on the default one and deadlock.
         self._async_group = (
@@ -108,14 +168,20 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
-    def save(self, step: int, train_state: dict[str, Any]) -> Path:
-        """Save (blocking, or staged and written in the background when async)."""
-        self.wait()
-        t0 = time.perf_counter()
+    def save(
+        self, step: int, train_state: dict[str, Any], must_succeed: bool = True
+    ) -> Path | None:
+        """Save (blocking, or staged and written in the background when async). Returns the
+        checkpoint's path, or None when it could not be written and must_succeed is False (the
+        failure is logged and kept for report()); else raises CheckpointWriteError. An async
+        save's write fails later, in wait() or the next save(), under the same rule."""
+        self.wait()  # a periodic save still being written: its failure never blocks this one
+        must_succeed = must_succeed or os.environ.get(FAILURES_ENV) == "fatal"
+        t0, p0 = time.time(), time.perf_counter()
         path = step_dir(self.root, step)
         # Written beside the final name and renamed into place when complete: a step saved
         # again (say, after a resume) never exposes a half-rewritten directory.
-        partial = self.root / f".partial-{path.name}"
+        partial = self.root / f"{PARTIAL}{path.name}"
         if self.is_main and partial.exists():
             shutil.rmtree(partial)
         if dist.is_initialized():
@@ -123,35 +189,123 @@ class Checkpointer:
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
         if self.async_save:
-            fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
-            self._pending = (fut, partial, step)
+            fut, problem = self._attempt(dcp.async_save, state, checkpoint_id=str(partial),
+                                         process_group=self._async_group)  # fmt: skip
+            problem = self._agree(problem)
+            if problem is None:
+                self._pending = (fut, partial, step, t0, must_succeed)
         else:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._finish(partial, step)
-        self.last_save_seconds = time.perf_counter() - t0
+            _, problem = self._attempt(dcp.save, state, checkpoint_id=str(partial))
+            problem = self._agree(problem) or self._finish(partial, step)
+        self.last_save_seconds = time.perf_counter() - p0
+        if problem is not None:
+            self._failed(step, partial, problem, t0, must_succeed)
+            return None
         return path
 
     def wait(self) -> None:
+        """Finish an async save; its failure raises only if that save had to succeed."""
         if self._pending is None:
             return
-        fut, path, step = self._pending
+        fut, partial, step, t0, must_succeed = self._pending
         self._pending = None
-        fut.result()
-        self._finish(path, step)
+        _, problem = self._attempt(fut.result)
+        problem = self._agree(problem) or self._finish(partial, step)
+        if problem is not None:
+            self._failed(step, partial, problem, t0, must_succeed)
 
-    def _finish(self, partial: Path, step: int) -> None:
+    def _attempt(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+        """Run one part of a save: (its result, None), or (None, why) if it could not write.
+        Anything else (a bug) raises as itself."""
+        try:
+            return fn(*args, **kwargs), None
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            problem = write_failure(e, self.root)
+            if problem is None:
+                raise
+            return None, problem
+
+    def _agree(self, problem: str | None) -> str | None:
+        """Every rank leaves a save with the same outcome. DCP already raises on every rank
+        when one rank's write fails (its coordinator broadcasts the failure); this also covers
+        our own steps, which only rank 0 performs."""
+        if not dist.is_initialized():
+            return problem
+        seen: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, problem)
+        return next((p for p in seen if p), None)
+
+    def _finish(self, partial: Path, step: int) -> str | None:
+        """Rank 0 adds the manifest and renames the checkpoint into place; returns the (agreed)
+        reason if that failed, None when the checkpoint is complete."""
         if dist.is_initialized():
             dist.barrier()
+        problem = None
         if self.is_main:
-            write_manifest(partial, step)
-            final = step_dir(self.root, step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            try:
+                write_manifest(partial, step)
+                final = step_dir(self.root, step)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(partial, final)
+            except OSError as e:
+                problem = write_failure(e, self.root)
+            else:
+                for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
+                    shutil.rmtree(old, ignore_errors=True)
+        # The others wait here (a checkpoint phase), not in the next step.
+        problem = self._agree(problem)
+        if problem is None:
+            if self.failed_in_a_row:
+                log.warning("checkpoint of step %d written: saving works again after %d failed "
+                            "save(s)", step, self.failed_in_a_row)  # fmt: skip
+            self.failed_in_a_row = 0
+        return problem
+
+    def _failed(self, step: int, partial: Path, reason: str, t0: float, must_succeed: bool) -> None:
+        """Remove what the failed save left (only its own .partial- directory: complete
+        checkpoints are never touched), then raise or log."""
+        if self.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        err = CheckpointWriteError(step, self.root, reason, t0)
+        self.failures.append(err)
+        self.failed_in_a_row += 1
+        if must_succeed:
+            raise err
+        log.error("checkpoint of step %d NOT written to %s: %s. Training goes on (in-memory "
+                  "snapshots still cover crashed ranks); the next scheduled save tries again. "
+                  "Free space there or move run.dir.", step, self.root, reason)  # fmt: skip
+        if self.failed_in_a_row >= WARN_IN_A_ROW:
+            # Going on is still right: stopping would throw away every step since the newest
+            # checkpoint, which the snapshots now hold, and would not free the disk.
+            newest = self.latest()
+            log.error("%d checkpoint saves in a row have failed; the newest on disk is %s: a "
+                      "lost machine now costs every step since, and the final checkpoint will "
+                      "end the job if the disk is still full", self.failed_in_a_row,
+                      newest.name if newest else "none")  # fmt: skip
+
+    @contextmanager
+    def report(self, event: Callable[..., None], node: str,
+               span: dict | None = None) -> Iterator[None]:  # fmt: skip
+        """Record the failed writes of the block as timeline faults (cause
+        checkpoint_write_failed) on the way out, also when the block raises one. `event` is
+        Runtime.event; `span`, the block's timeline span, gets the reason as its error."""
+        try:
+            yield
+        finally:
+            for e in self.failures:
+                event("fault", e.t0, e.t1, cause="checkpoint_write_failed", rank=None,
+                      node=node, detail=e.reason, step=e.step)  # fmt: skip
+                if span is not None:
+                    span["error"] = f"checkpoint of step {e.step} not written: {e.reason}"
+            self.failures.clear()
+
+    def holds(self, step: int) -> bool:
+        """Whether a complete checkpoint of `step` exists (rank 0 looks; all ranks agree)."""
+        box = [self.is_main and step_dir(self.root, step) in complete_checkpoints(self.root)]
         if dist.is_initialized():
-            dist.barrier()  # the others wait here (a checkpoint phase), not in the next step
+            dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
     def latest(self) -> Path | None:
         done = complete_checkpoints(self.root)
@@ -228,6 +382,13 @@ class SaveSchedule:
         if self.every:
             return done_steps % self.every == 0
         return done_steps >= self.next
+
+    def failed(self, done_steps: int) -> None:
+        """A save that could not be written: the next one comes when it was planned anyway
+        (at once would mostly fail again, at the cost of a save); with every > 0 that is the
+        next multiple, else one interval (or the first-save distance) from now."""
+        if not self.every:
+            self.next = done_steps + (self.interval_steps or self.FIRST_AUTO_SAVE)
 
     def saved(self, done_steps: int, save_s: float, step_s: float) -> None:
         if self.every:

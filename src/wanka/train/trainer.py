@@ -302,34 +302,49 @@ def run(cfg: JobConfig) -> dict:
     mtbf = float(os.environ.get("WANKA_MTBF_S") or cfg.checkpoint.mtbf_s)
     schedule = SaveSchedule(cfg.checkpoint.every, mtbf, start)
     for step in range(start, cfg.train.steps):
-        rt.progress.enter("sync", step)
-        if rt.stop_agreed():  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+        # The step span is the whole iteration: the stop agreement (which also absorbs the
+        # ranks' skew), the step, its metrics and its snapshot stall, so time between spans is
+        # really outside training. The snapshot span nests inside and is charged as a stall.
+        with rt.span("step", step=step) as span:
+            rt.progress.enter("sync", step)
+            stop = rt.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+            if stop:
+                span["error"] = "stopped before the step"  # not executed: never counted as kept
+            else:
+                m = train_step(job, step)
+                _log_step(job, metrics, m, step, start)
+                if snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
+                    with rt.span("snapshot", step=step), rt.phase("snapshot", step):
+                        snapshots.save(step + 1, _snapshot_state(job))
+        if stop:
             _last_gasp(job, ckpt, snapshots, step)
-        with rt.span("step", step=step):
-            m = train_step(job, step)
         tokens_per_s.append(m["tokens_per_s"])
         step_times.append(m["step_time"])
         train_loss = m["loss"]
-        if (
-            step + 1 == start + 1
-            or (step + 1) % cfg.train.log_every == 0
-            or step + 1 == cfg.train.steps
-        ):
-            metrics.log_train(step + 1, m)
         if (step + 1) % cfg.train.eval_every == 0 and step + 1 != cfg.train.steps:
             with rt.span("eval", step=step), rt.phase("eval", step):
                 val_loss = evaluate(job, step)
             metrics.log_eval(step + 1, {"val_loss": val_loss})
-        if snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
-            with rt.span("snapshot", step=step), rt.phase("snapshot", step):
-                snapshots.save(step + 1, _snapshot_state(job))
         if cfg.checkpoint.enable and (schedule.due(step + 1) or step + 1 == cfg.train.steps):
             t_save = time.perf_counter()
-            with rt.span("checkpoint", step=step), rt.phase("checkpoint", step):
-                ckpt.save(step + 1, _train_state(job))
-            schedule.saved(step + 1, time.perf_counter() - t_save, _median(step_times[-20:]))
+            # Only the last save must succeed. A periodic one that cannot be written (disk full)
+            # is logged, recorded as a fault and skipped: the run goes on, the next one retries.
+            with (rt.span("checkpoint", step=step) as ck_span, rt.phase("checkpoint", step),
+                  ckpt.report(rt.event, rt.node, ck_span)):  # fmt: skip
+                last = step + 1 == cfg.train.steps
+                saved = ckpt.save(step + 1, _train_state(job), must_succeed=last)
+            if saved is None:
+                schedule.failed(step + 1)
+            else:
+                schedule.saved(step + 1, time.perf_counter() - t_save, _median(step_times[-20:]))
     rt.progress.enter("checkpoint")
-    ckpt.wait()
+    with ckpt.report(rt.event, rt.node):
+        ckpt.wait()  # the last save, when async: raises if it could not be written
+        if cfg.checkpoint.enable and 0 < start == cfg.train.steps and not ckpt.holds(start):
+            # Resumed at the very end from a snapshot (the last save had failed): write it now.
+            with rt.span("checkpoint", step=start - 1):
+                ckpt.save(start, _train_state(job))
+                ckpt.wait()
     if snapshots is not None:
         snapshots.close(discard=True)  # finished: nothing left to recover from memory
     with rt.span("eval", step=cfg.train.steps), rt.phase("eval"):
@@ -345,14 +360,22 @@ def run(cfg: JobConfig) -> dict:
     return summary
 
 
+def _log_step(job: Job, metrics: MetricsWriter, m: dict, step: int, start: int) -> None:
+    log_every, steps = job.cfg.train.log_every, job.cfg.train.steps
+    if step == start or (step + 1) % log_every == 0 or step + 1 == steps:
+        metrics.log_train(step + 1, m)
+
+
 def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
     """Stop on request: a persistent checkpoint of the state after `step` steps, then leave."""
-    with job.runtime.span("last_gasp", step=step), job.runtime.phase("checkpoint", step):
-        ckpt.wait()
+    rt = job.runtime
+    with (rt.span("last_gasp", step=step), rt.phase("checkpoint", step),
+          ckpt.report(rt.event, rt.node)):  # fmt: skip
+        ckpt.wait()  # a periodic save still being written: its failure is only reported
         if snapshots is not None:
             snapshots.wait()
         ckpt.async_save = False
-        ckpt.save(step, _train_state(job))
+        ckpt.save(step, _train_state(job))  # must succeed: else exit 2 with the reason
     log.info("stopped on request at step %d; checkpoint %s written", step, ckpt.latest())
     dist.barrier()
     dist.destroy_process_group()
