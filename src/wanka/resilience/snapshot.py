@@ -209,12 +209,22 @@ class SnapshotStore:
         self.wait()
         if self._thread is not None:
             self._queue.put(None)
+            self._thread.join()
+            # Every rank closes at the same point (end of the job): take the replica group down
+            # here, with nothing in flight, rather than in whatever order the process exits.
+            dist.destroy_process_group(self._group)
+            self._thread = None
         self._maps.clear()
         self._views.clear()
         if discard:
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.recv_from is not None:
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
+            for d in (self.dir.parent, self.job_dir):  # the last rank out removes the folders
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass  # not empty (another rank's) or already gone
 
     def _next_slot(self, d: Path) -> int:
         """The slot the newest committed snapshot in `d` is not in."""
