@@ -239,8 +239,14 @@ class SnapshotStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists() and path.stat().st_size != size:
                 path.unlink()  # the state's layout changed (e.g. optimizer state appeared)
-            with open(path, "ab") as f:
-                f.truncate(size)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                # Reserve the blocks now: a full tmpfs then fails here with ENOSPC (an error
+                # the trainer reports) instead of SIGBUS on a later write through the mapping.
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
             buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
             self._maps[path] = buf
         return buf
