@@ -104,6 +104,7 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
             rc = proc.wait()
         finally:
             driver.close()  # a full disk never outlives the job that was to suffer it
+            _kill_ranks(hb_dir)  # a submission leaves no rank behind, however it ended
         if stalled:
             continue  # the operator resubmits
         if rc != EXIT_PREEMPTED and rc != 1 or _summary(run_dir):
@@ -134,13 +135,25 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
             timeline.event("fault", last_change, now, cause="hang", detail="operator gave up waiting",
                            injected=True)  # fmt: skip
             os.killpg(proc.pid, signal.SIGKILL)
-            for b in beats.values():
-                try:
-                    os.kill(b.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_ranks(hb_dir)
             return True
     return False
+
+
+def _kill_ranks(hb_dir: Path) -> None:
+    """SIGKILL every rank a heartbeat names (any attempt) that still runs wanka: torchrun's
+    workers live in sessions of their own, so killing torchrun's group can orphan them."""
+    mine = f"WANKA_HB_DIR={hb_dir}".encode()
+    for b in read_all(hb_dir).values():
+        try:
+            environ = Path(f"/proc/{b.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone (or no /proc: nothing to check a reused pid against)
+        if mine in environ:  # this drill's rank, not a process that reused its pid
+            try:
+                os.kill(b.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
