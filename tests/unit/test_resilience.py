@@ -171,3 +171,20 @@ def test_learned_limit_follows_the_recent_pace(tmp_path):
     t.observe(read_all(tmp_path / "hb").values())
     assert t.learned["forward"] < 3.0 * 0.95**50  # forgotten, not kept forever
     assert t.limit("checkpoint") == 120.0  # never seen: generous
+
+
+def test_agent_seen_crash_still_names_the_rank_that_died(tmp_path):
+    """When the elastic agent reports a death before the monitor polls, the fault still names
+    the rank that died (not the peers the agent ended with SIGTERM) and where it was."""
+    from wanka.resilience.heartbeat import Reporter
+    from wanka.resilience.supervisor import Outcome, _blame
+
+    hb = tmp_path / "hb"
+    for rank in (0, 1):
+        Reporter(hb, rank, 2).enter("forward" if rank == 1 else "sync", 3)
+    out = Outcome("process_crash", exits={0: -15, 1: -9})
+    _blame(out, hb, attempt=2)
+    assert out.rank == 1 and out.detail == "rank 1 died in forward of step 3"
+    stale = Outcome("process_crash", exits={0: -15, 1: -9})
+    _blame(stale, hb, attempt=3)  # heartbeats of an older attempt say nothing about this one
+    assert stale.rank == 1 and stale.detail == "rank 1 died (exit code -9)"

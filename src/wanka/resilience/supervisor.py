@@ -51,6 +51,21 @@ class Outcome:
     codes: list[int] = field(default_factory=list)
     node: str | None = None  # where it happened, when known
     confirmed: bool = False  # preempted: every rank wrote its part of the last-gasp checkpoint
+    exits: dict[int, int] = field(default_factory=dict)  # global rank -> exit code (the agent's)
+
+
+def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
+    """The agent saw a rank die before the monitor did: name the rank that died first (the
+    agent ends its peers with SIGTERM, -15) and where it was, from its heartbeat."""
+    culprits = sorted(r for r, c in out.exits.items() if c not in (-15, 0))
+    if not culprits:
+        return
+    out.rank = culprits[0]
+    beat = read_all(hb_dir).get(out.rank)
+    if beat is not None and beat.attempt == attempt:
+        out.detail = f"rank {out.rank} died in {beat.phase} of step {beat.step}"
+    else:
+        out.detail = f"rank {out.rank} died (exit code {out.exits[out.rank]})"
 
 
 def resilience_dir(run_dir: Path) -> Path:
@@ -161,6 +176,7 @@ class Supervisor:
                 elastic_launch(self._launch_config(), _worker_entry)(self.worker_argv, env)
         except ChildFailedError as e:
             out.codes = [f.exitcode for f in e.failures.values()]
+            out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
         except SignalException as e:
             out.cause, out.detail = "preempted", f"signal {e.sigval}"
             self._preempt.set()
@@ -178,6 +194,8 @@ class Supervisor:
             out.cause = "user_error"
         out.confirmed = EXIT_PREEMPTED in codes
         self._classify(out)
+        if out.cause == "process_crash" and out.rank is None:
+            _blame(out, hb_dir, attempt)
         if out.node is None and out.rank is not None:
             out.node = node_of(hb_dir, out.rank)
         return out
