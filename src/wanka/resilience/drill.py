@@ -141,17 +141,19 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
 
 
 def _kill_ranks(hb_dir: Path) -> None:
-    """SIGKILL every rank a heartbeat names (any attempt) that still runs wanka: torchrun's
-    workers live in sessions of their own, so killing torchrun's group can orphan them."""
+    """SIGKILL every process of this drill's baseline still alive: those whose environment
+    carries its WANKA_HB_DIR. torchrun's workers live in sessions of their own, so killing
+    torchrun's group can orphan them, and a worker stuck before its first heartbeat is named
+    by no heartbeat file."""
     mine = f"WANKA_HB_DIR={hb_dir}".encode()
-    for b in read_all(hb_dir).values():
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            environ = Path(f"/proc/{b.pid}/environ").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
         except OSError:
-            continue  # gone (or no /proc: nothing to check a reused pid against)
-        if mine in environ:  # this drill's rank, not a process that reused its pid
+            continue  # gone, or not ours to read
+        if mine in environ and int(proc.name) != os.getpid():
             try:
-                os.kill(b.pid, signal.SIGKILL)
+                os.kill(int(proc.name), signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
