@@ -307,14 +307,13 @@ def _jsonable(x):
 
 
 def format_row(r: dict) -> str:
-    """One progress line per backend row."""
-    name = f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={r['k'] or '-'!s:5s}"
-    if "skipped" in r:
-        return f"{name} skipped: {r['skipped']}"
-    if "error" in r:
-        return f"{name} ERROR {r['error']}"
+    """One progress line per backend row (label as in `wanka bench ops`)."""
+    from wanka.bench.ops import row_head, unmeasured
+
+    if why := unmeasured(r):
+        return f"{row_head(r)} {why}"
     peak = "-" if r["peak_fwd_bwd_mib"] is None else f"{r['peak_fwd_bwd_mib']:.0f}"
-    return (f"{name} {r.get('pattern') or '':9s} fwd {r['fwd_ms']:9.3f} ms  fwd+bwd "
+    return (f"{row_head(r)} fwd {r['fwd_ms']:9.3f} ms  fwd+bwd "
             f"{r['fwd_bwd_ms']:9.3f} ms  peak {peak:>7s} MiB  {r['tflops_fwd_bwd']:7.2f} "
             f"TFLOP/s ({r['frac_bf16_peak_fwd_bwd']:.1%} of bf16)  err {_err_cell(r)}")  # fmt: skip
 

@@ -1,18 +1,10 @@
 """The `wanka` command end to end, as a user runs it."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+from .helpers import wanka
 
 
 @pytest.fixture(scope="module")

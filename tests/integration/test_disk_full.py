@@ -8,8 +8,6 @@ why, elsewhere), so the injected disk_full fills that and nothing else.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,25 +17,16 @@ from wanka.resilience.drill import injected_faults
 from wanka.resilience.goodput import read_timeline
 from wanka.train.checkpoint import complete_checkpoints, verify
 
-REPO = Path(__file__).resolve().parents[2]
+from .helpers import small_job, wanka
+
 NO_TMPFS = tmpfs_unavailable()
 pytestmark = pytest.mark.skipif(NO_TMPFS is not None, reason=f"no tmpfs: {NO_TMPFS}")
-
-
-def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
 
 
 def small(tmp: Path, run: str) -> list[str]:
     # checkpoint.keep=1: the pre-flight wants room for 2 more checkpoints of 22 MiB on the tmpfs
     # (128 MiB: also when one is already there, at a resume).
-    sets = ["data.seq_len=64", "train.micro_batch_size=4", "train.steps=12", "train.warmup_steps=2",
-            "model.index_topk=16", "train.eval_every=1000", "data.val_batches=1",
-            "checkpoint.every=4", "checkpoint.keep=1", "run.tensorboard=false",
-            f'run.dir="{tmp / run}"', f'resilience.ledger="{tmp / "faults.sqlite"}"',
-            f'resilience.snapshot_dir="{tmp / "shm"}"']  # fmt: skip
-    return ["configs/demo.toml", "--nproc", "2", *sum((["--set", s] for s in sets), [])]
+    return small_job(tmp, run, keep=1)
 
 
 def digest(tmp: Path, run: str) -> str:

@@ -1,29 +1,14 @@
 """Supervised `wanka train` through injected faults: same final state as a fault-free run."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from wanka.resilience.chaos import damage_latest_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
-
-
-def small(tmp: Path, run: str) -> list[str]:
-    sets = ["data.seq_len=64", "train.micro_batch_size=4", "train.steps=12", "train.warmup_steps=2",
-            "model.index_topk=16", "train.eval_every=1000", "data.val_batches=1",
-            "checkpoint.every=4", "checkpoint.keep=3", "run.tensorboard=false",
-            f'run.dir="{tmp / run}"', f'resilience.ledger="{tmp / "faults.sqlite"}"',
-            f'resilience.snapshot_dir="{tmp / "shm"}"']  # fmt: skip
-    return ["configs/demo.toml", "--nproc", "2", *sum((["--set", s] for s in sets), [])]
+from .helpers import small_job as small
+from .helpers import wanka
 
 
 def summary(tmp: Path, run: str) -> dict:

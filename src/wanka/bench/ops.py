@@ -218,14 +218,26 @@ def _long_context(quick: bool) -> dict:
             "model_long_context_config": dataclasses.asdict(base)}  # fmt: skip
 
 
-def _fmt(r: dict) -> str:
-    name = f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={r.get('k', '-')!s:5s} {r.get('pattern', ''):9s}"
+def row_head(r: dict) -> str:
+    """The label each table row starts with: op, backend, L, k and index pattern."""
+    k = r.get("k") or "-"
+    return f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={k!s:5s} {r.get('pattern') or '':9s}"
+
+
+def unmeasured(r: dict) -> str | None:
+    """Why a row has no figures (skipped, or the case failed), None when it has them."""
     if "skipped" in r:
-        return f"{name} skipped: {r['skipped']}"
+        return f"skipped: {r['skipped']}"
     if "error" in r:
-        return f"{name} ERROR {r['error']}"
+        return f"ERROR {r['error']}"
+    return None
+
+
+def _fmt(r: dict) -> str:
+    if why := unmeasured(r):
+        return f"{row_head(r)} {why}"
     err = f" err {r['max_abs_err']:.1e}" if "max_abs_err" in r else ""
-    return (f"{name} fwd {r['fwd_s'] * 1e3:9.1f} ms  fwd+bwd {r['fwd_bwd_s'] * 1e3:9.1f} ms  "
+    return (f"{row_head(r)} fwd {r['fwd_s'] * 1e3:9.1f} ms  fwd+bwd {r['fwd_bwd_s'] * 1e3:9.1f} ms  "
             f"peak {r['peak_mb']:8.0f} MB  {r['fwd_bwd_gflops']:6.1f} GFLOP/s{err}")  # fmt: skip
 
 
