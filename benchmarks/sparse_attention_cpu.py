@@ -8,6 +8,13 @@ reports medians and the peak-RSS growth over the baseline (inputs and indices ex
     .venv/bin/python benchmarks/sparse_attention_cpu.py                  # the default table
     .venv/bin/python benchmarks/sparse_attention_cpu.py --L 8192 32768 --impls cpu
     .venv/bin/python benchmarks/sparse_attention_cpu.py --threads 1
+    .venv/bin/python benchmarks/sparse_attention_cpu.py --growth --L 8192 32768
+
+`--growth` measures how fwd+bwd time grows with L at fixed K, side by side in one process:
+runs at the short and long length alternate (short, long, short, ...) and each long run is
+divided by the mean of the short runs on either side, so drifts in the machine's load hit
+both; it prints the median and range of those ratios and the ratio of work (valid selected
+(query, key) pairs: causal queries before position K select fewer than K keys).
 
 Indices: `random` = wanka.ops.index_patterns.random_indices (uniform), `realistic` =
 realistic_indices (3K/4 local window + K/8 shared heavy hitters + ~K/8 random; see there).
@@ -104,6 +111,54 @@ def _run_case(impl, pattern, L, K, H, D, args) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def _growth(args) -> None:
+    from wanka.ops.sparse_attention import cpu
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    short, long = sorted(args.L)
+    H, D, scale = args.H, args.D, args.D**-0.5
+
+    def fwd_bwd(q, k, v, idx, dout) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
+        torch.autograd.grad(cpu.sparse_attention(q, k, v, idx, scale), (q, k, v), dout)
+        return time.perf_counter() - t, time.process_time() - c
+
+    report = {"K": args.K, "H": H, "D": D, "L": [short, long], "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cpus": os.cpu_count(), "patterns": {}}  # fmt: skip
+    for pattern in args.patterns.split(","):
+        inputs = {}
+        for L in (short, long):
+            idx = torch.load(_ensure_indices(pattern, L, args.K))
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, L, H, D, generator=g).requires_grad_()
+            k = torch.randn(1, L, D, generator=g).requires_grad_()
+            v = torch.randn(1, L, D, generator=g).requires_grad_()
+            inputs[L] = (q, k, v, idx, torch.randn(1, L, H, D, generator=g))
+
+        fwd_bwd(*inputs[short]), fwd_bwd(*inputs[long])  # warm-up
+        shorts, longs = [fwd_bwd(*inputs[short])], []
+        for _ in range(args.rounds):
+            longs.append(fwd_bwd(*inputs[long]))
+            shorts.append(fwd_bwd(*inputs[short]))
+        wall = [lg[0] / ((a[0] + b[0]) / 2) for lg, a, b in zip(longs, shorts, shorts[1:])]
+        cpu_r = [lg[1] / ((a[1] + b[1]) / 2) for lg, a, b in zip(longs, shorts, shorts[1:])]
+        work = float((inputs[long][3] >= 0).sum()) / float((inputs[short][3] >= 0).sum())
+        row = {"short_s": statistics.median(t[0] for t in shorts),
+               "long_s": statistics.median(t[0] for t in longs),
+               "ratio_median": statistics.median(wall), "ratio_min": min(wall),
+               "ratio_max": max(wall), "cpu_ratio_median": statistics.median(cpu_r),
+               "work_ratio": work, "rounds": args.rounds}  # fmt: skip
+        report["patterns"][pattern] = row
+        print(f"{pattern:<10} K={args.K} H={H} D={D}: fwd+bwd {row['short_s']:.2f} s at L={short}, "
+              f"{row['long_s']:.2f} s at L={long}; ratio median {row['ratio_median']:.2f}x "
+              f"(range {row['ratio_min']:.2f}-{row['ratio_max']:.2f}, CPU time "
+              f"{row['cpu_ratio_median']:.2f}x, {args.rounds} rounds); work ratio {work:.2f}x",
+              flush=True)  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -119,7 +174,14 @@ def main() -> None:
     p.add_argument("--ref-max-L", type=int, default=8192, help="skip the reference above this L")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--growth", action="store_true", help="long/short fwd+bwd ratio (see above)")
+    p.add_argument("--rounds", type=int, default=5, help="--growth: long runs per pattern")
+    p.add_argument("--json", default="", help="--growth: also write the figures to this file")
     args = p.parse_args()
+    if args.growth:
+        if len(args.L) != 2:
+            p.error("--growth takes exactly two lengths, e.g. --L 8192 32768")
+        return _growth(args)
     if args.child:
         args.L = args.L[0]
         return _child(args)
