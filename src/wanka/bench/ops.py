@@ -79,10 +79,38 @@ def flops(case: dict) -> tuple[float, float]:
     return f, 3.5 * f  # backward ~2.5x forward for attention (recompute of scores included)
 
 
-def run_case(case: dict, repeats: int) -> dict:
-    """Executed inside the child process."""
+def reset_peak_rss() -> int:
+    """Start a fresh peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to
+    the current RSS, so building the inputs and indices does not hide the op's own peak) and
+    return the RSS in KiB it starts from. Elsewhere: the process's max RSS so far."""
     import resource
 
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_kib("VmRSS")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def peak_rss_kib() -> int:
+    """Peak RSS in KiB since `reset_peak_rss` (or since the process started, off Linux)."""
+    import resource
+
+    try:
+        return _status_kib("VmHWM")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def run_case(case: dict, repeats: int) -> dict:
+    """Executed inside the child process."""
     import torch
 
     from wanka import ops
@@ -137,9 +165,9 @@ def run_case(case: dict, repeats: int) -> dict:
         out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
         out.sum().backward()
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = reset_peak_rss()
     result = {"fwd_s": median_time(fwd, repeats), "fwd_bwd_s": median_time(fwd_bwd, repeats)}
-    result["peak_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    result["peak_mb"] = (peak_rss_kib() - base) / 1024
     # Error vs the reference on the same inputs (forward), in this process.
     with torch.no_grad():
         mine = fn(*inputs)
@@ -150,7 +178,10 @@ def run_case(case: dict, repeats: int) -> dict:
         ):
             ref = fn(*inputs)
             both = torch.isfinite(ref) & torch.isfinite(mine)
-            result["max_abs_err"] = float((mine - ref)[both].abs().max()) if both.any() else 0.0
+            if not torch.equal(torch.isfinite(ref), torch.isfinite(mine)):
+                result["max_abs_err"] = float("inf")  # NaN / inf where the other is finite
+            else:
+                result["max_abs_err"] = float((mine - ref)[both].abs().max()) if both.any() else 0.0
     f, fb = flops(case)
     result["fwd_gflops"] = f / result["fwd_s"] / 1e9
     result["fwd_bwd_gflops"] = fb / result["fwd_bwd_s"] / 1e9
@@ -161,6 +192,7 @@ def bench_ops_main(
     quick: bool, out: Path, budget_gib: float = 12.0, repeats: int | None = None
 ) -> int:
     from wanka.bench.flops import measure_matmul_peak
+    from wanka.bench.ops_table import markdown_table
 
     repeats = repeats or (2 if quick else 3)
     peak = measure_matmul_peak()
@@ -185,8 +217,11 @@ def bench_ops_main(
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
             "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick}  # fmt: skip
-    out.write_text(json.dumps({**meta, "cases": rows, **longctx}, indent=2))
-    print(f"wrote {out}")
+    doc = {**meta, "cases": rows, **longctx}
+    out.write_text(json.dumps(doc, indent=2))
+    table = out.with_suffix(".md")
+    table.write_text(markdown_table(doc) + "\n")
+    print(f"wrote {out} and {table}")
     return 1 if failed else 0
 
 

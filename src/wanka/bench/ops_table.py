@@ -1,0 +1,100 @@
+"""`wanka bench ops` JSON -> a Markdown table: one row per (op, shape, index pattern), the
+reference and the fast backend side by side.
+
+    python -m wanka.bench.ops_table runs/bench/ops.json > runs/bench/ops.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HEADER = (
+    "| op | L | k | indices | reference fwd / fwd+bwd (s) | {fast} fwd / fwd+bwd (s) | speed-up "
+    "fwd+bwd | reference peak MB | {fast} peak MB | memory ratio | {fast} max abs err | {fast} "
+    "% of matmul peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _shape_key(r: dict) -> tuple:
+    return (r["L"], r["op"], r.get("k") or 0, r.get("pattern") or "")
+
+
+def _times(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "skipped" in r:
+        return r["skipped"]
+    if "error" in r:
+        return f"failed: {r['error']}"
+    return f"{r['fwd_s']:.3f} / {r['fwd_bwd_s']:.3f}"
+
+
+def _measured(r: dict | None) -> bool:
+    return r is not None and "fwd_bwd_s" in r
+
+
+def _indices(r: dict) -> str:
+    if r["op"] == "sparse_attention":
+        return r["pattern"]
+    if r["op"] == "lightning_indexer":
+        return f"{r['Hi']} heads x {r['Di']}"
+    return "causal, 1 doc"
+
+
+def markdown_table(doc: dict, fast: str = "cpu") -> str:
+    """Rows of `doc["cases"]` paired by shape: reference vs the `fast` backend."""
+    pairs: dict[tuple, dict] = {}
+    for r in doc["cases"]:
+        pairs.setdefault(_shape_key(r), {})[r["backend"]] = r
+    lines = [HEADER.format(fast=fast)]
+    for key in sorted(pairs):
+        ref, mine = pairs[key].get("reference"), pairs[key].get(fast)
+        any_row = mine or ref
+        both = _measured(ref) and _measured(mine)
+        speed = f"{ref['fwd_bwd_s'] / mine['fwd_bwd_s']:.2f}x" if both else ""
+        mem = f"{ref['peak_mb'] / max(mine['peak_mb'], 1.0):.0f}x" if both else ""
+        ref_peak = f"{ref['peak_mb']:.0f}" if _measured(ref) else ""
+        my_peak = f"{mine['peak_mb']:.0f}" if _measured(mine) else ""
+        err = f"{mine['max_abs_err']:.1e}" if _measured(mine) and "max_abs_err" in mine else ""
+        if _measured(mine) and not err:
+            err = "(reference not rerun)"
+        frac = (
+            f"{mine['fraction_of_peak']:.0%}"
+            if _measured(mine) and "fraction_of_peak" in mine
+            else ""
+        )
+        k = any_row.get("k") or "-"
+        lines.append(
+            f"| {any_row['op']} | {any_row['L']} | {k} | {_indices(any_row)} | {_times(ref)} | "
+            f"{_times(mine)} | {speed} | {ref_peak} | {my_peak} | {mem} | {err} | {frac} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m wanka.bench.ops_table OPS.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(
+            f"cannot read {path}: {e}; pass the JSON written by `wanka bench ops`", file=sys.stderr
+        )
+        return 2
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+        print(
+            f"{path} has no 'cases' list: pass the JSON written by `wanka bench ops`",
+            file=sys.stderr,
+        )
+        return 2
+    print(markdown_table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
