@@ -4,13 +4,16 @@ Each op has a plain PyTorch `reference` backend (the definition of correct, vali
 device). Faster backends register for the device types they support, with an availability
 check, and win over the reference by priority. `WANKA_OPS_BACKEND="op=backend,..."` (set
 from the config's run.ops_backend) forces a backend, e.g. for benchmarks and tests.
-Porting to a new chip means registering backends here, not editing the model.
+Porting to a new chip means adding one file per op to the op's package (importing the
+package imports every module in it, so its @register calls run), not editing the model.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable
+import pkgutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,13 @@ def _forced() -> dict[str, str]:
         op, backend = item.split("=", 1)
         out[op.strip()] = backend.strip()
     return out
+
+
+def import_backends(package: str, path: Iterable[str]) -> None:
+    """Import every module of an op package (its `__name__`, `__path__`): each backend file
+    registers itself, so a new backend needs no edit elsewhere."""
+    for mod in sorted(m.name for m in pkgutil.iter_modules(path)):
+        importlib.import_module(f"{package}.{mod}")
 
 
 def backends(op: str) -> dict[str, Backend]:

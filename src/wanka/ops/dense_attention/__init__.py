@@ -1,2 +1,5 @@
-from wanka.ops.dense_attention import cpu, probs_chunked, reference  # noqa: F401
-from wanka.ops.dense_attention import triton as _triton  # noqa: F401
+"""Dense causal attention and the indexer's KL target (attention_probs): every module here is a backend and registers itself on import."""
+
+from wanka.ops.registry import import_backends
+
+import_backends(__name__, __path__)

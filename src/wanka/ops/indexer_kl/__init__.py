@@ -1,1 +1,5 @@
-from wanka.ops.indexer_kl import chunked, reference  # noqa: F401
+"""Dense warm-up indexer KL: every module here is a backend and registers itself on import."""
+
+from wanka.ops.registry import import_backends
+
+import_backends(__name__, __path__)

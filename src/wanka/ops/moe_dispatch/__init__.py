@@ -1,1 +1,5 @@
-from wanka.ops.moe_dispatch import reference  # noqa: F401
+"""MoE token permute / unpermute: every module here is a backend and registers itself on import."""
+
+from wanka.ops.registry import import_backends
+
+import_backends(__name__, __path__)

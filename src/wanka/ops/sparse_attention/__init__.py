@@ -1,2 +1,5 @@
-from wanka.ops.sparse_attention import cpu, npu, reference  # noqa: F401
-from wanka.ops.sparse_attention import triton as _triton  # noqa: F401
+"""DSA sparse attention: every module here is a backend and registers itself on import."""
+
+from wanka.ops.registry import import_backends
+
+import_backends(__name__, __path__)

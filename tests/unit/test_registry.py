@@ -1,0 +1,57 @@
+"""The op registry: a new backend is a new file in the op's package, picked by device type and
+priority, forced by WANKA_OPS_BACKEND, and a forced backend that cannot run is refused."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from wanka.ops import registry
+
+
+@pytest.fixture
+def scratch_op(monkeypatch, tmp_path):
+    """A throwaway op package `chipops` with a reference backend, on sys.path."""
+    monkeypatch.delenv(registry.ENV_OVERRIDE, raising=False)
+    pkg = tmp_path / "chipops"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from wanka.ops.registry import import_backends\nimport_backends(__name__, __path__)\n"
+    )
+    (pkg / "reference.py").write_text(
+        "from wanka.ops.registry import register\n"
+        "@register('scratch_double', 'reference')\n"
+        "def double(x):\n    return x * 2\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg
+    registry._REGISTRY.pop("scratch_double", None)
+    for name in [m for m in sys.modules if m == "chipops" or m.startswith("chipops.")]:
+        del sys.modules[name]
+
+
+def test_a_new_chip_is_one_new_file(scratch_op, monkeypatch):
+    (scratch_op / "mychip.py").write_text(
+        "from wanka.ops.registry import register\n"
+        "@register('scratch_double', 'mychip', device_types=('cpu',), priority=5)\n"
+        "def double(x):\n    return x + x + 0.5\n"  # distinguishable from the reference
+    )
+    __import__("chipops")
+    assert set(registry.backends("scratch_double")) == {"reference", "mychip"}
+    assert registry.call("scratch_double", torch.ones(2)).tolist() == [2.5, 2.5]
+    assert registry.select("scratch_double", "meta").name == "reference"  # not its device
+    monkeypatch.setenv(registry.ENV_OVERRIDE, "scratch_double=reference")
+    assert registry.call("scratch_double", torch.ones(2)).tolist() == [2.0, 2.0]
+    monkeypatch.setenv(registry.ENV_OVERRIDE, "scratch_double=mychip")
+    with pytest.raises(ValueError, match="cannot run on meta"):
+        registry.select("scratch_double", "meta")
+    monkeypatch.setenv(registry.ENV_OVERRIDE, "scratch_double=nochip")
+    with pytest.raises(ValueError, match="has no backend 'nochip'"):
+        registry.select("scratch_double", "cpu")
+
+
+def test_unknown_op_names_the_registered_ones():
+    with pytest.raises(KeyError, match="sparse_attention"):
+        registry.backends("no_such_op")
