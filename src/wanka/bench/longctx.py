@@ -20,7 +20,8 @@ from wanka.ops import registry
 
 
 def median_time(fn, repeats: int) -> float:
-    """Median wall time of `repeats` calls after one warm-up call."""
+    """Median wall time of `repeats` calls after one warm-up call (for an even count the
+    upper median: with 2 repeats, the slower call)."""
     fn()
     ts = []
     for _ in range(repeats):
