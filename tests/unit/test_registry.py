@@ -55,3 +55,18 @@ def test_a_new_chip_is_one_new_file(scratch_op, monkeypatch):
 def test_unknown_op_names_the_registered_ones():
     with pytest.raises(KeyError, match="sparse_attention"):
         registry.backends("no_such_op")
+
+
+def test_dense_attention_sdpa_serves_devices_without_their_own_kernel(monkeypatch):
+    """SDPA per document beats the materialised reference on any device (here: an NPU without
+    a dense kernel of its own); forced on CPU it gives the reference's result."""
+    from wanka.ops.dense_attention import reference
+
+    monkeypatch.delenv(registry.ENV_OVERRIDE, raising=False)
+    assert registry.select("dense_attention", "npu").name == "sdpa"
+    assert registry.select("dense_attention", "cpu").name == "cpu"
+    monkeypatch.setenv(registry.ENV_OVERRIDE, "dense_attention=sdpa")
+    q, k, v = torch.randn(2, 19, 3, 8), torch.randn(2, 19, 8), torch.randn(2, 19, 8)
+    doc = torch.tensor([[0] * 7 + [1] * 12, [0] * 19])
+    got = registry.call("dense_attention", q, k, v, doc, 0.4)
+    torch.testing.assert_close(got, reference.dense_attention(q, k, v, doc, 0.4))

@@ -30,7 +30,7 @@ GROUP = 256
 
 
 def _sdpa(q, k, v, scale, mask=None):
-    """q [B, n, H, D], k/v [B, n, D] -> [B, H, n, D] via the fused CPU kernel."""
+    """q [B, n, H, D], k/v [B, n, D] -> [B, H, n, D] via the device's fused SDPA kernel."""
     B, n, H, D = q.shape
     kh = k[:, None].expand(B, H, n, D)
     vh = v[:, None].expand(B, H, n, D)
@@ -103,3 +103,10 @@ def dense_attention(
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     out = torch.cat(rows, dim=0) if B > 1 else rows[0]
     return out.transpose(1, 2).contiguous()
+
+
+# The code above is plain torch, so every other device gets it too, ahead of the materialised
+# reference: SDPA picks that device's fused kernel (flash / memory-efficient) where it has one.
+# On CUDA the Triton kernel still wins by priority; WANKA_OPS_BACKEND=dense_attention=sdpa
+# forces SDPA there (benchmarks/gpu/triton_ops.py times both).
+register("dense_attention", "sdpa", device_types=("*",), priority=5)(dense_attention)
