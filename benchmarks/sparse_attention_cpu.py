@@ -181,6 +181,8 @@ def main() -> None:
     if args.growth:
         if len(args.L) != 2:
             p.error("--growth takes exactly two lengths, e.g. --L 8192 32768")
+        if args.rounds < 1:
+            p.error(f"--rounds must be at least 1, got {args.rounds}")
         return _growth(args)
     if args.child:
         args.L = args.L[0]

@@ -64,7 +64,8 @@ def test_matches_reference(case):
 
 
 def test_registry_picks_it_and_blocks_gather_only_their_rows(monkeypatch):
-    assert registry.select("attention_probs", "cpu").name == "chunked"
+    for device_type in ("cpu", "cuda", "npu", "xpu"):
+        assert registry.select("attention_probs", device_type).name == "chunked"
     B, L, H, D, K, C = 1, 40, 2, 8, 6, 8
     q, k = torch.randn(B, L, H, D), torch.randn(B, L, D)
     idx = random_indices(B, L, K, seed=3)

@@ -44,3 +44,8 @@ def test_cli_names_an_unreadable_file(tmp_path, capsys):
     bad.write_text(json.dumps({"cases": [row("cpu", **figures(1.0, 10))]}))
     assert main([str(bad)]) == 0
     assert "| sparse_attention | 4096 | 512 | random |" in capsys.readouterr().out
+    bad.write_text(json.dumps({"cases": [{"op": "sparse_attention", "backend": "cpu", "L": 8}]}))
+    assert main([str(bad)]) == 2
+    assert "lacks" in capsys.readouterr().err
+    only_gpu = {"cases": [row("triton", **figures(1.0, 10))]}
+    assert len(markdown_table(only_gpu).splitlines()) == 2  # header and rule, nothing to pair

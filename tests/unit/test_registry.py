@@ -52,14 +52,27 @@ def test_a_new_chip_is_one_new_file(scratch_op, monkeypatch):
         registry.select("scratch_double", "cpu")
 
 
+def test_a_backend_whose_vendor_library_is_missing_does_not_break_the_others(scratch_op):
+    (scratch_op / "otherchip.py").write_text(
+        "import vendor_runtime_that_is_not_installed\n"
+        "from wanka.ops.registry import register\n"
+        "@register('scratch_double', 'otherchip', priority=9)\n"
+        "def double(x):\n    return x\n"
+    )
+    with pytest.warns(UserWarning, match="otherchip not loaded: it needs 'vendor_runtime"):
+        __import__("chipops")
+    assert set(registry.backends("scratch_double")) == {"reference"}
+    assert registry.call("scratch_double", torch.ones(1)).tolist() == [2.0]
+
+
 def test_unknown_op_names_the_registered_ones():
     with pytest.raises(KeyError, match="sparse_attention"):
         registry.backends("no_such_op")
 
 
 def test_dense_attention_sdpa_serves_devices_without_their_own_kernel(monkeypatch):
-    """SDPA per document beats the materialised reference on any device (here: an NPU without
-    a dense kernel of its own); forced on CPU it gives the reference's result."""
+    """A device without a dense kernel of its own (here: an NPU) gets SDPA per document, not the
+    materialised reference; forced by name, the backend gives the reference's result."""
     from wanka.ops.dense_attention import reference
 
     monkeypatch.delenv(registry.ENV_OVERRIDE, raising=False)

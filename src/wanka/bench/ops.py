@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 GIB = 1024**3
@@ -79,27 +80,22 @@ def flops(case: dict) -> tuple[float, float]:
     return f, 3.5 * f  # backward ~2.5x forward for attention (recompute of scores included)
 
 
-def reset_peak_rss() -> int:
-    """Start a fresh peak-RSS window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to
-    the current RSS, so building the inputs and indices does not hide the op's own peak) and
-    return the RSS in KiB it starts from. Elsewhere: the process's max RSS so far."""
+def peak_rss_window() -> Callable[[], float]:
+    """Start measuring peak memory; returns a function giving the peak RSS growth in MiB since.
+
+    On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS, so building
+    the inputs and indices beforehand does not hide the op's own peak. Where that fails (other
+    systems, a read-only /proc) it falls back to the growth of the process's max RSS, both ends
+    read from that same counter."""
     import resource
 
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return _status_kib("VmRSS")
+        base = _status_kib("VmRSS")
+        return lambda: (_status_kib("VmHWM") - base) / 1024
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def peak_rss_kib() -> int:
-    """Peak RSS in KiB since `reset_peak_rss` (or since the process started, off Linux)."""
-    import resource
-
-    try:
-        return _status_kib("VmHWM")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return lambda: (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024
 
 
 def _status_kib(field: str) -> int:
@@ -165,9 +161,9 @@ def run_case(case: dict, repeats: int) -> dict:
         out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
         out.sum().backward()
 
-    base = reset_peak_rss()
+    peak_mb = peak_rss_window()
     result = {"fwd_s": median_time(fwd, repeats), "fwd_bwd_s": median_time(fwd_bwd, repeats)}
-    result["peak_mb"] = (peak_rss_kib() - base) / 1024
+    result["peak_mb"] = peak_mb()
     # Error vs the reference on the same inputs (forward), in this process.
     with torch.no_grad():
         mine = fn(*inputs)
@@ -211,6 +207,10 @@ def bench_ops_main(
             else:
                 row.update(json.loads(r.stdout.strip().splitlines()[-1]))
                 row["fraction_of_peak"] = row["fwd_bwd_gflops"] * 1e9 / peak
+                if row.get("max_abs_err") == float("inf"):  # also keeps the JSON strict
+                    del row["max_abs_err"]
+                    row["error"] = "non-finite output where the reference is finite"
+                    failed += 1
         rows.append(row)
         print(_fmt(row), flush=True)
     longctx = _long_context(quick)
@@ -219,7 +219,7 @@ def bench_ops_main(
             "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick}  # fmt: skip
     doc = {**meta, "cases": rows, **longctx}
     out.write_text(json.dumps(doc, indent=2))
-    table = out.with_suffix(".md")
+    table = out.with_suffix(".md") if out.suffix != ".md" else out.with_suffix(".table.md")
     table.write_text(markdown_table(doc) + "\n")
     print(f"wrote {out} and {table}")
     return 1 if failed else 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -65,7 +66,17 @@ def import_backends(package: str, path: Iterable[str]) -> None:
     """Import every module of an op package (its `__name__`, `__path__`): each backend file
     registers itself, so a new backend needs no edit elsewhere."""
     for mod in sorted(m.name for m in pkgutil.iter_modules(path)):
-        importlib.import_module(f"{package}.{mod}")
+        try:
+            importlib.import_module(f"{package}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] == "wanka":
+                raise  # our own code is broken: never hide that
+            # A backend whose vendor library is not installed here: the others still load.
+            warnings.warn(
+                f"op backend {package}.{mod} not loaded: it needs {e.name!r}, which is not "
+                "installed (install it, or guard the import and use register(available=...))",
+                stacklevel=2,
+            )
 
 
 def backends(op: str) -> dict[str, Backend]:

@@ -106,7 +106,8 @@ def dense_attention(
 
 
 # The code above is plain torch, so every other device gets it too, ahead of the materialised
-# reference: SDPA picks that device's fused kernel (flash / memory-efficient) where it has one.
-# On CUDA the Triton kernel still wins by priority; WANKA_OPS_BACKEND=dense_attention=sdpa
-# forces SDPA there (benchmarks/gpu/triton_ops.py times both).
+# reference: SDPA picks that device's fused kernel (flash / memory-efficient) where it has one,
+# and where it has none SDPA's math kernel does what the reference does. Not yet run on an
+# accelerator. On CUDA the Triton kernel still wins by priority;
+# WANKA_OPS_BACKEND=dense_attention=sdpa forces this backend there.
 register("dense_attention", "sdpa", device_types=("*",), priority=5)(dense_attention)
