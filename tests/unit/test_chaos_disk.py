@@ -153,8 +153,11 @@ def test_driver_fills_then_releases_after_for_seconds(tmp_path, capsys):
         assert ballasts(ckpts)  # still full within for=
         driver.poll(beats(3), t_fill + 0.5, 1)
         assert ballasts(ckpts) == [] and shutil.disk_usage(ckpts).free > 15 * MIB
+        released = tl.events[1]  # the fill's window, for the report
+        assert released["released"] and released["fault"] == ev["fault"]
+        assert abs(released["t0"] - ev["t0"]) < 1.0 and released["t1"] >= released["t0"]
         driver.poll(beats(9), time.time() + 60, 1)
-        assert ballasts(ckpts) == [] and len(tl.events) == 1  # fires once
+        assert ballasts(ckpts) == [] and len(tl.events) == 2  # fires once, released once
         # A resubmitted job (new supervisor, same run) does not fill again.
         again = ChaosDriver(parse_schedule("disk_full@step=2,for=0.4,keep_mb=2"), run, "job",
                             str(tmp_path / "shm"), Timeline())  # fmt: skip

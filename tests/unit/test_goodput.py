@@ -232,3 +232,20 @@ def test_report_with_and_without_timeline(
     captured = capsys.readouterr()
     assert "effective training time" in captured.out
     assert "no metrics.jsonl" in captured.err and "loss curve skipped" in captured.err
+
+
+def test_failed_saves_inside_an_injected_disk_full_are_marked_injected() -> None:
+    """The ranks record checkpoint_write_failed without knowing the supervisor filled the
+    disk; the report marks those inside the fill's window (fired .. released) injected, and a
+    failure after the release, or with no fill at all, not."""
+    e = [ev("job", 0, 100), ev("step", 1, 99, step=0)]
+    e.append(ev("chaos", 10, 10, fault="disk_full@t=10,for=30"))  # fired
+    e.append(ev("chaos", 10, 40, fault="disk_full@t=10,for=30", released=True))
+    e.append(ev("fault", 12, 14, cause="checkpoint_write_failed", detail="ENOSPC"))
+    e.append(ev("fault", 60, 61, cause="checkpoint_write_failed", detail="EIO"))
+    e.append(ev("fault", 70, 71, cause="process_crash", rank=0))
+    injected = [f["injected"] for f in compute_goodput(e).faults]
+    assert injected == [True, False, False]
+    # a fill never released (the supervisor died first) stays open
+    open_fill = [x for x in e if not x.get("released")]
+    assert [f["injected"] for f in compute_goodput(open_fill).faults] == [True, True, False]

@@ -227,6 +227,8 @@ class ChaosDriver:
         base = f.step if f.step is not None else max(b.step for b in beats.values())
         self.ballasts[f.id] = Ballast(
             path,
+            f.spec(),
+            now,
             until_t=None if "steps" in f.params else now + f.params.get("for", DISK_FULL_FOR_S),
             until_step=base + int(f.params["steps"]) if "steps" in f.params else None,
         )
@@ -250,6 +252,9 @@ class ChaosDriver:
         ballast = self.ballasts.pop(fid, None)
         if ballast is not None:
             ballast.path.unlink(missing_ok=True)
+            # The fill's whole window: `wanka report` marks the failed saves inside it injected.
+            self.timeline.event("chaos", ballast.t_fill, time.time(), fault=ballast.spec,
+                                released=True)  # fmt: skip
             print(f"wanka train: chaos: {ballast.path} removed, the disk has room again",
                   file=sys.stderr, flush=True)  # fmt: skip
 
@@ -264,6 +269,8 @@ class ChaosDriver:
 @dataclass
 class Ballast:
     path: Path
+    spec: str  # the fault, as written in the schedule
+    t_fill: float  # when the disk was filled
     until_t: float | None  # released at this time (for=SECONDS) ...
     until_step: int | None  # ... or once the job reaches this step (steps=N)
 

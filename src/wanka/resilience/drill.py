@@ -222,7 +222,8 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
     detected = a fault event (detection) before the next injection; time to productive = from
     the injection to the end of the first step at or past the step it interrupted, in a later
     run of the job; steps lost = steps done before the injection that had to be done again."""
-    chaos = [e for e in events if e["kind"] == "chaos"]
+    # A disk_full also logs its release (the fill's window); that is not another injection.
+    chaos = [e for e in events if e["kind"] == "chaos" and not e.get("released")]
     injections = [(e["t0"], e["fault"].split("@")[0]) for e in chaos]
     # Faults injected inside a rank (nan, slow) leave a mark file when they fire.
     kinds = {f.id: f.kind for f in parse_schedule(schedule)}

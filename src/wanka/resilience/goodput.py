@@ -171,13 +171,31 @@ def compute_goodput(events: list[dict]) -> Goodput:
     )
 
 
+def _disk_full_windows(events: list[dict]) -> list[tuple[float, float]]:
+    """[(filled, released)] of the injected disk_full faults; one still in place (no release
+    event: the supervisor died first) is open-ended."""
+    chaos = [
+        e
+        for e in events
+        if e["kind"] == "chaos" and str(e.get("fault", "")).startswith("disk_full")
+    ]
+    released = {e["fault"]: _span(e) for e in chaos if e.get("released")}
+    return [released.get(e["fault"], (e["t0"], float("inf")))
+            for e in chaos if not e.get("released")]  # fmt: skip
+
+
 def _fault_table(events: list[dict], kept: set[int], lost: list[int], w0: float) -> list[dict]:
     faults = sorted((ev for ev in events if ev["kind"] == "fault"), key=lambda e: _detected(e))
     kept_spans = sorted((a, b) for a, b in (_span(events[i]) for i in kept) if b is not None)
+    fills = _disk_full_windows(events)
     out = []
     prev_detect = float("-inf")
     for ev in faults:
         t0, t1 = _span(ev)
+        # The ranks record a failed save without knowing the supervisor filled the disk.
+        by_chaos = ev.get("cause") == "checkpoint_write_failed" and any(
+            a <= t0 <= b for a, b in fills
+        )
         detect = _detected(ev)
         # A lost execution is charged to the first fault detected after it began: steps done
         # before a kill and then redone, or the NaN step itself.
@@ -189,7 +207,7 @@ def _fault_table(events: list[dict], kept: set[int], lost: list[int], w0: float)
             "node": ev.get("node", ""),
             "rank": ev.get("rank"),
             "detail": ev.get("detail", ""),
-            "injected": bool(ev.get("injected", False)),
+            "injected": bool(ev.get("injected", False)) or by_chaos,
             "attempt": ev.get("attempt"),
             "latency_s": None if t1 is None else t1 - t0,
             "steps_lost": n_lost,
