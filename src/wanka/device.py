@@ -35,8 +35,16 @@ def resolve_device_type(requested: str = "auto") -> str:
     return "cpu"
 
 
+ACCELERATOR_BACKENDS = {"cuda": "nccl", "npu": "hccl"}
+
+
 def dist_backend(device_type: str) -> str:
-    return {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
+    """The process-group backend as a device-to-backend map. On an accelerator the map also
+    names gloo for CPU tensors: small host-side collectives (target counts, loss sums,
+    expert loads, pre-flight probes, metrics) then work beside the accelerator's backend
+    instead of failing with "No backend type associated with device type cpu"."""
+    accel = ACCELERATOR_BACKENDS.get(device_type)
+    return f"cpu:gloo,{device_type}:{accel}" if accel else "cpu:gloo"
 
 
 def local_device(device_type: str) -> torch.device:

@@ -125,14 +125,17 @@ def validate(cfg: JobConfig) -> None:
         "model.expert_hidden": m.expert_hidden, "model.dense_hidden": m.dense_hidden,
         "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta,
         "train.log_every": t.log_every, "data.val_batches": d.val_batches,
-        "checkpoint.keep": cfg.checkpoint.keep,
+        "checkpoint.keep": cfg.checkpoint.keep, "model.n_expert_groups": m.n_expert_groups,
+        "model.n_limited_groups": m.n_limited_groups,
+        "resilience.snapshot_max_age_h": cfg.resilience.snapshot_max_age_h,
     }  # fmt: skip
     for path, v in positive.items():
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
     for path, v in {"model.n_dense_layers": m.n_dense_layers, "model.n_shared_experts": m.n_shared_experts,
                     "model.init_std": m.init_std, "train.lr": t.lr, "train.weight_decay": t.weight_decay,
-                    "train.grad_clip": t.grad_clip}.items():  # fmt: skip
+                    "train.grad_clip": t.grad_clip, "model.seq_balance_loss_weight": m.seq_balance_loss_weight,
+                    "train.lr_horizon": t.lr_horizon}.items():  # fmt: skip
         if v < 0:
             raise ConfigError(path, f"must be >= 0, got {v}")
     if m.max_seq_len > 1 << 21:
@@ -164,6 +167,21 @@ def validate(cfg: JobConfig) -> None:
     if t.dense_warmup_steps >= t.steps and t.phase == "sparse" and t.dense_warmup_steps:
         raise ConfigError("train.dense_warmup_steps", f"{t.dense_warmup_steps} >= train.steps={t.steps}",
                           "leave some sparse steps or set train.phase='dense_warmup'")  # fmt: skip
+    if m.n_experts % m.n_expert_groups != 0:
+        raise ConfigError("model.n_expert_groups", f"{m.n_expert_groups} groups do not divide "
+                          f"model.n_experts={m.n_experts}", "pick a divisor of n_experts")  # fmt: skip
+    if m.n_limited_groups > m.n_expert_groups:
+        raise ConfigError("model.n_limited_groups", f"{m.n_limited_groups} > n_expert_groups="
+                          f"{m.n_expert_groups}", "a token can use at most every group")  # fmt: skip
+    if m.n_active_experts > m.n_limited_groups * (m.n_experts // m.n_expert_groups):
+        raise ConfigError("model.n_limited_groups", f"{m.n_limited_groups} groups of "
+                          f"{m.n_experts // m.n_expert_groups} experts hold fewer than "
+                          f"n_active_experts={m.n_active_experts}", "allow more groups")  # fmt: skip
+    if not 0 < t.decay_fraction <= 1:
+        raise ConfigError("train.decay_fraction", f"must be in (0, 1], got {t.decay_fraction}")
+    if t.lr_horizon and t.lr_horizon <= t.warmup_steps + t.dense_warmup_steps:
+        raise ConfigError("train.lr_horizon", f"{t.lr_horizon} leaves no steps after warm-up",
+                          "set it above warmup_steps (+ dense_warmup_steps), or 0 = train.steps")  # fmt: skip
     if not 0 <= t.min_lr_ratio <= 1:
         raise ConfigError("train.min_lr_ratio", "must be in [0, 1]")
     if cfg.checkpoint.every < 0:

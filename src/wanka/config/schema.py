@@ -37,7 +37,12 @@ class ModelConfig:
     n_shared_experts: int = 1
     route_scale: float = 1.0
     bias_update_rate: float = 1e-3
-    balance_loss_weight: float = 0.0
+    balance_loss_weight: float = 0.0  # batch-wise complementary balance loss
+    seq_balance_loss_weight: float = 0.0  # DeepSeek-V3 sequence-wise auxiliary balance loss
+    # Group-limited routing: experts form n_expert_groups groups (e.g. one per node); each
+    # token picks its experts from at most n_limited_groups groups (DeepSeek-V3's n_group/topk_group).
+    n_expert_groups: int = 1
+    n_limited_groups: int = 1
     # Multi-token prediction
     mtp_depth: int = 1
     mtp_loss_weight: float = 0.3
@@ -60,6 +65,11 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
+    # "cosine": warm-up then cosine to min_lr_ratio at the horizon; "wsd": warm-up, stable at
+    # lr, then a linear decay to min_lr_ratio over the last decay_fraction of the horizon.
+    lr_schedule: Literal["cosine", "wsd"] = "cosine"
+    lr_horizon: int = 0  # steps the schedule spans; 0 = train.steps
+    decay_fraction: float = 0.2  # wsd: share of the horizon spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -70,7 +80,15 @@ class TrainConfig:
     indexer_lr: float = 3e-3
     eval_every: int = 100
     log_every: int = 1
+    # Compute dtype: "auto" = bf16 on accelerators, fp32 on CPU. With bf16, FSDP2 gathers
+    # bf16 parameters (fp32 master weights and optimizer state stay sharded) and reduces
+    # gradients in reduce_dtype.
     mixed_precision: Literal["auto", "fp32", "bf16"] = "auto"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Per-block activation checkpointing: "full" recomputes each block in backward;
+    # "selective" keeps attention outputs and recomputes the FFN / MoE.
+    activation_checkpointing: Literal["off", "full", "selective"] = "off"
+    compile: bool = False  # torch.compile each block
 
 
 @dataclass
@@ -120,6 +138,7 @@ class ResilienceConfig:
     nan_guard: bool = True  # retry, then skip, a step with a non-finite loss or grad norm
     spike_factor: float = 0.0  # loss > factor x running mean = spike (0 = off)
     preflight: Literal["off", "static", "full"] = "static"  # before every (re)launch
+    snapshot_max_age_h: float = 24.0  # snapshots of jobs idle this long are swept at start
 
 
 @dataclass

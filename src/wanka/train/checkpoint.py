@@ -135,6 +135,20 @@ def _diff(saved: str, current: str) -> str:
     return ", ".join(f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in keys[:4])
 
 
+def _same_model(saved: str | None, current: str | None) -> bool:
+    """Equal model configs, where a field the saved config predates counts as its default
+    (a checkpoint from before a new option keeps loading while that option is left alone)."""
+    if saved is None or current is None:
+        return saved == current
+    import dataclasses
+
+    from wanka.config.schema import ModelConfig
+
+    a, b = json.loads(saved), json.loads(current)
+    defaults = dataclasses.asdict(ModelConfig())
+    return {**defaults, **a} == {**defaults, **b}
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
@@ -356,7 +370,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} does not fit this model ({_last_line(e)}); "
                              "use the model config it was saved with, or a new run.dir") from None  # fmt: skip
         saved, now = state["train"].get("model_config"), train_template.get("model_config")
-        if saved != now:
+        if saved != now and not _same_model(saved, now):
             raise ValueError(f"checkpoint {path} was saved with another [model] config "
                              f"({_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
