@@ -173,7 +173,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         sums, grad_norm = _forward_backward(
             job, micro, phase, n_lm, n_mtp, n_kl, n_micro_global, step
         )
-        lm = float(sums[0]) / n_lm
+        lm = float(sums[0]) / n_lm  # NaN if any micro-batch loss was non-finite
         bad = rt.guard.check(lm, float(grad_norm)) if cfg.resilience.nan_guard else None
         if bad is None:
             break
@@ -192,7 +192,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     rt.progress.enter("optimizer", step)
     if not skipped:
         job.optimizer.step()
-        rt.guard.accept(lm)
+        rt.guard.accept(lm)  # the spike guard follows the LM loss through both phases
     job.optimizer.zero_grad(set_to_none=True)
     imbalance = _update_expert_bias(
         model, cfg.model.bias_update_rate if phase == "sparse" and not skipped else 0.0
@@ -201,7 +201,8 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     tokens = n_micro_global * micro[0].tokens.numel()
     lm, mtp, kl_sum, bal = sums.tolist()
     return {
-        "loss": lm / n_lm, "lm_loss": lm / n_lm, "mtp_loss": mtp / n_mtp,
+        "loss": kl_sum / n_kl if phase == "dense_warmup" else lm / n_lm,  # what is trained
+        "lm_loss": lm / n_lm, "mtp_loss": mtp / n_mtp,
         "indexer_kl": kl_sum / n_kl, "moe_balance": bal / n_micro_global,
         "moe_max_load": imbalance, "grad_norm": float(grad_norm), "lr": lr,
         "step_time": dt, "tokens_per_s": tokens / dt, "phase_sparse": float(phase == "sparse"),
