@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from wanka.config.schema import JobConfig, ModelConfig
+
+MAX_INT = 10**12  # beyond any step count, size or degree a job can use; keeps loops finite
 
 
 class ConfigError(ValueError):
@@ -101,9 +104,13 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
             )
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(path, f"must be a finite number, got {value}")
+    if tp is int and abs(value) > MAX_INT:
+        raise ConfigError(path, f"{value} is out of range", f"at most {MAX_INT:.0e}")
     return value
 
 
@@ -138,6 +145,7 @@ def validate(cfg: JobConfig) -> None:
                     "train.lr_horizon": t.lr_horizon}.items():  # fmt: skip
         if v < 0:
             raise ConfigError(path, f"must be >= 0, got {v}")
+    _check_ranges(cfg)
     if m.max_seq_len > 1 << 21:
         raise ConfigError(
             "model.max_seq_len", f"{m.max_seq_len} is beyond 2M positions", "lower it"
@@ -201,6 +209,39 @@ def validate(cfg: JobConfig) -> None:
                     "resilience.evict_same_cause": r.evict_same_cause}.items():  # fmt: skip
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+
+
+def _check_ranges(cfg: JobConfig) -> None:
+    """Numeric domains: values torch would accept but that cannot train (an infinite or
+    negative rate, betas >= 1, a zero norm epsilon), or that would never end."""
+    m, t = cfg.model, cfg.train
+    ranges = {  # path: (value, low, high, low inclusive, hint)
+        "train.lr": (t.lr, 0.0, 1.0, False, "a learning rate in (0, 1], e.g. 3e-4"),
+        "train.indexer_lr": (t.indexer_lr, 0.0, 1.0, True, "in [0, 1], e.g. 3e-3"),
+        "train.beta1": (t.beta1, 0.0, 1.0, True, "AdamW betas are in [0, 1), e.g. 0.9"),
+        "train.beta2": (t.beta2, 0.0, 1.0, True, "AdamW betas are in [0, 1), e.g. 0.95"),
+        "train.weight_decay": (t.weight_decay, 0.0, 1.0, True, "in [0, 1], e.g. 0.1"),
+        "train.grad_clip": (t.grad_clip, 0.0, 1e6, True, "0 turns clipping off, e.g. 1.0"),
+        "train.steps": (t.steps, 1, 10**9, True, "at most 1e9 steps"),
+        "model.norm_eps": (m.norm_eps, 0.0, 0.1, False, "a small positive number, e.g. 1e-6"),
+        "model.route_scale": (m.route_scale, 0.0, 1e3, False, "positive, e.g. 1.0 or 2.5"),
+        "model.init_std": (m.init_std, 0.0, 1.0, False, "positive, e.g. 0.02"),
+        "model.bias_update_rate": (m.bias_update_rate, 0.0, 1.0, True, "in [0, 1], e.g. 1e-3"),
+        "model.mtp_loss_weight": (m.mtp_loss_weight, 0.0, 1e3, True, ">= 0, e.g. 0.3"),
+        "model.balance_loss_weight": (m.balance_loss_weight, 0.0, 1e3, True, ">= 0"),
+        "model.seq_balance_loss_weight": (m.seq_balance_loss_weight, 0.0, 1e3, True, ">= 0, e.g. 1e-4"),
+        "model.rope_theta": (m.rope_theta, 1.0, 1e12, True, "e.g. 10000"),
+    }  # fmt: skip
+    for path, (v, lo, hi, lo_inclusive, hint) in ranges.items():
+        below = v < lo if lo_inclusive else v <= lo
+        open_high = path in ("train.beta1", "train.beta2")
+        above = v >= hi if open_high else v > hi
+        if below or above:
+            lo_b, hi_b = "[" if lo_inclusive else "(", ")" if open_high else "]"
+            raise ConfigError(path, f"{v} is outside {lo_b}{lo}, {hi}{hi_b}", hint)
+    if t.lr * t.weight_decay >= 1:
+        raise ConfigError("train.weight_decay", f"lr x weight_decay = {t.lr * t.weight_decay:g} "
+                          ">= 1 flips the weights' sign every step", "lower it")  # fmt: skip
 
 
 def config_to_dict(cfg: JobConfig) -> dict[str, Any]:

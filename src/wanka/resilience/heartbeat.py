@@ -54,6 +54,8 @@ class Reporter:
         )
 
     def enter(self, phase: str, step: int | None = None) -> None:
+        if phase == self.phase and step in (None, self.step):
+            return  # still in that phase: re-entering must not record a (short) completed one
         now = time.time()
         i = PHASE_ID[self.phase]
         # A decaying maximum: one slow warm-up step is forgotten after a few dozen normal ones,

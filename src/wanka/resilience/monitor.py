@@ -49,7 +49,12 @@ class Timeouts:
                     now[phase] = secs
         self.learned.update(now)
 
-    def limit(self, phase: str) -> float:
+    def limit(self, phase: str, first: bool = False) -> float:
+        """`first`: the rank has not completed this phase yet in this attempt (start-up,
+        first step, first save after a restart: compilation, lazy optimizer state, cold
+        caches), so it gets the start-up grace whatever was learned before."""
+        if first:
+            return max(self.initial, self.limit(phase))
         seen = self.learned.get(phase, 0.0)
         floor = max(self.floor, IO_FLOOR_S) if phase in IO_PHASES else self.floor
         return max(floor, self.factor * seen) if seen > 0 else self.initial
@@ -85,14 +90,19 @@ class HangMonitor:
         uninterruptible rank if there is one, else the rank that stopped making progress
         first (the others are usually waiting for it inside a collective)."""
         live = [b for b in beats.values() if b.phase not in UNWATCHED]
-        over = [b for b in live if now - b.since > self.timeouts.limit(b.phase)]
+        over = [b for b in live if now - b.since > self.limit(b)]
         if not over:
             return None
         states = {b.rank: process_state(b.pid) or "?" for b in live}
         stuck = [b for b in live if states[b.rank] in ("T", "t", "D")]
         culprit = min(stuck or live, key=lambda b: (b.step, b.since))
         return Hang(culprit.rank, culprit.phase, culprit.step, culprit.since, now - culprit.since,
-                    self.timeouts.limit(culprit.phase), states[culprit.rank])  # fmt: skip
+                    self.limit(culprit), states[culprit.rank])  # fmt: skip
+
+    def limit(self, beat: Beat) -> float:
+        """Limits come only from completed observations of a phase: a phase this rank has not
+        finished once in this attempt is still in its start-up grace."""
+        return self.timeouts.limit(beat.phase, first=beat.max_seconds.get(beat.phase, 0.0) <= 0.0)
 
 
 def stragglers(

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from wanka.config import JobConfig, dump_toml
+from wanka.config import ConfigError, JobConfig, dump_toml
 from wanka.data.loader import Batch, PackedLoader, validation_batches
 from wanka.data.prepare import TokenDataset, ensure_builtin_dataset
 from wanka.device import (
@@ -97,8 +97,21 @@ def setup(cfg: JobConfig) -> Job:
     model.init_weights(cfg.train.seed)
     n_indexers = sum(blk.attention.indexer is not None for blk in model.layers.values())
     parallelize(model, dims)
-    optimizer = build_optimizer(model, cfg.train)
+    try:
+        optimizer = build_optimizer(model, cfg.train)
+    except ValueError as e:  # torch's own checks, should a value slip past the schema's
+        raise ConfigError(_optimizer_field(str(e)), str(e).splitlines()[0]) from None
     return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime)
+
+
+def _optimizer_field(message: str) -> str:
+    """The config field behind one of torch.optim's ValueErrors."""
+    for needle, field in (("beta parameter at index 0", "train.beta1"),
+                          ("beta parameter at index 1", "train.beta2"),
+                          ("weight_decay", "train.weight_decay"), ("learning rate", "train.lr")):  # fmt: skip
+        if needle in message:
+            return field
+    return "train"
 
 
 def _dataset_path(cfg: JobConfig, rank: int) -> Path:
@@ -292,6 +305,9 @@ def run(cfg: JobConfig) -> dict:
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
+    if start > cfg.train.steps:
+        raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
+                         f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
     t_process = time.time() - (time.perf_counter() - t_start)  # wall clock at run() entry
     rt.event("startup", rt.launch_time or t_process, time.time())
     metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
