@@ -194,7 +194,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
     bad.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         read_input_files([bad])
-    assert main_prepare([str(bad)], str(tmp_path / "ds"), None, 0.1, 0) == 1
+    assert main_prepare([str(bad)], str(tmp_path / "ds"), None, 0.1, 0) == 2
     assert not (tmp_path / "ds").exists()
 
 
@@ -369,7 +369,7 @@ def test_loader_rejects_dataset_too_small(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="too few"):
         PackedLoader(TokenDataset(out, "train"), SEQ, 1, 0, 1, seed=0)
-    with pytest.raises(ValueError, match="too few"):
+    with pytest.raises(ValueError, match="fewer than one window"):
         validation_batches(TokenDataset(out, "val"), SEQ, 1, 1, 0, 1)
 
 

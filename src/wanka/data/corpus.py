@@ -60,13 +60,15 @@ def _unit_hash(seed: int, name: str) -> float:
 
 
 def split_documents(
-    docs: list[Document], val_fraction: float, seed: int
+    docs: list[Document], val_fraction: float, seed: int, min_val_chars: int = 0
 ) -> tuple[list[Document], list[Document]]:
     """Deterministic train/val split by document (never splits a document).
 
     Each document goes to val when its stable hash falls below ``val_fraction``. With a
     positive fraction at least one document goes to val and at least one stays in train
-    (when there are two or more), so tiny datasets still get both splits.
+    (when there are two or more), so tiny datasets still get both splits. ``min_val_chars``:
+    val holds at least that much text (or a tenth of all text, whichever is less), so a small
+    corpus still yields an evaluation batch.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -77,6 +79,16 @@ def split_documents(
             is_val[min(range(len(docs)), key=scores.__getitem__)] = True
         if all(is_val):
             is_val[max(range(len(docs)), key=scores.__getitem__)] = False
+    if val_fraction > 0 and min_val_chars > 0 and len(docs) >= 2:
+        # Too little held-out text for one evaluation batch: move more documents (lowest hash
+        # first, so the choice is still deterministic), up to a tenth of the text.
+        total = sum(len(d.text) for d in docs)
+        val_chars = sum(len(d.text) for d, v in zip(docs, is_val) if v)
+        for i in sorted(range(len(docs)), key=scores.__getitem__):
+            if val_chars >= min(min_val_chars, total // 10) or sum(not v for v in is_val) <= 1:
+                break
+            if not is_val[i]:
+                is_val[i], val_chars = True, val_chars + len(docs[i].text)
     train = [d for d, v in zip(docs, is_val) if not v]
     val = [d for d, v in zip(docs, is_val) if v]
     return train, val

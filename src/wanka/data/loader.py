@@ -170,15 +170,20 @@ def validation_batches(
     """
     _check_args(seq_len, batch_size, dp_rank, dp_size)
     global_batch = batch_size * dp_size
-    n = min(num_batches, windows_per_epoch(dataset_val, seq_len) // global_batch)
-    if n == 0:
+    windows = windows_per_epoch(dataset_val, seq_len)
+    if windows == 0:
         raise ValueError(
-            f"val split of {dataset_val.path} has {dataset_val.num_tokens} tokens, too few "
-            f"for one batch of {global_batch} windows of seq_len={seq_len}"
+            f"val split of {dataset_val.path} has {dataset_val.num_tokens} tokens, fewer than "
+            f"one window of seq_len={seq_len}: prepare it again with a larger --val-fraction "
+            f"(or --force), or lower data.seq_len"
         )
+    # A val split smaller than one global batch is read round-robin (windows repeat) rather
+    # than refused: a small corpus still gets an evaluation, over every held-out window.
+    n = max(1, min(num_batches, windows // global_batch))
     stream = _Stream(dataset_val, np.arange(dataset_val.num_docs))
     batches = []
     for i in range(n):
         first = i * global_batch + dp_rank * batch_size
-        batches.append(_stack([_row(stream, w, seq_len) for w in range(first, first + batch_size)]))
+        rows = [_row(stream, w % windows, seq_len) for w in range(first, first + batch_size)]
+        batches.append(_stack(rows))
     return batches

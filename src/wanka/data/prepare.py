@@ -27,6 +27,9 @@ FORMAT = "wanka-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 _ENCODE_CHUNK = 256  # documents per encode_batch call: parallel, yet bounded memory
+# Held-out text the split keeps at least (a tenth of the corpus at most): enough for 16
+# windows of 2048 bytes, so the default val fraction still evaluates a small corpus.
+MIN_VAL_CHARS = 32768
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -38,6 +41,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _fix_hint(path: Path) -> str:
+    raw = path.is_dir() and (any(path.glob("*.txt")) or any(path.glob("*.jsonl")))
+    if path.is_file() or raw:
+        # data.path names the raw documents: never suggest preparing over them.
+        out = path.with_name(path.stem + "-prepared")
+        return (
+            f"prepare them first: `wanka data prepare {path} --out {out}`, then set data.path={out}"
+        )
     return f"run `wanka data prepare <inputs> --out {path}`"
 
 
@@ -108,6 +118,8 @@ def prepare_documents(
     tokenizer: Tokenizer,
     val_fraction: float = 0.01,
     seed: int = 0,
+    sources: list | None = None,
+    min_val_chars: int = MIN_VAL_CHARS,
 ) -> Path:
     """Tokenize ``docs`` into ``out_dir`` atomically; a complete existing ``out_dir`` is kept.
 
@@ -126,7 +138,7 @@ def prepare_documents(
             )
     if not docs:
         raise ValueError("no documents to prepare")
-    train, val = split_documents(list(docs), val_fraction, seed)
+    train, val = split_documents(list(docs), val_fraction, seed, min_val_chars)
     dtype = token_dtype(tokenizer.vocab_size)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -146,9 +158,11 @@ def prepare_documents(
             "dtype": dtype.name,
             "val_fraction": val_fraction,
             "seed": seed,
+            "sources": sources,
             "splits": splits,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _share_with_group(tmp)
         try:
             os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir
         except OSError:
@@ -157,6 +171,16 @@ def prepare_documents(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return out_dir
+
+
+def _share_with_group(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder: open it (and its files) as far as the umask allows, so a
+    dataset or cache prepared by one user can be read by the group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def _check_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
@@ -185,22 +209,49 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
             files.append(p)
     docs = []
     for f in files:
-        if f.suffix == ".txt":
-            docs.append(Document(str(f), f.read_text(encoding="utf-8")))
+        try:
+            docs += _read_documents(f)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                             f"{e.start}): convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or "
+                             "leave it out") from None  # fmt: skip
+    return docs
+
+
+def input_sources(paths: Sequence[str]) -> list:
+    """What a prepared dataset was made from: each input file's path, size and mtime (and
+    "builtin"), so preparing into an existing --out from other inputs is noticed."""
+    out: list = []
+    for p in map(Path, paths):
+        if str(p) == "builtin":
+            out.append("builtin")
             continue
-        with open(f, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                    if not isinstance(text, str):
-                        raise TypeError("'text' is not a string")
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(
-                        f'{f}:{lineno}: expected a JSON object with a string "text" field ({e})'
-                    ) from None
-                docs.append(Document(f"{f}:{lineno}", text))
+        files = (
+            sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl")) if p.is_dir() else [p]
+        )
+        for f in files:
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _read_documents(f: Path) -> list[Document]:
+    if f.suffix == ".txt":
+        return [Document(str(f), f.read_text(encoding="utf-8"))]
+    docs = []
+    with open(f, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+                if not isinstance(text, str):
+                    raise TypeError("'text' is not a string")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f'{f}:{lineno}: expected a JSON object with a string "text" field ({e})'
+                ) from None
+            docs.append(Document(f"{f}:{lineno}", text))
     return docs
 
 
@@ -220,25 +271,41 @@ def ensure_builtin_dataset(cache_dir: str | Path, tokenizer_spec: str | None = N
 
 
 def main_prepare(
-    inputs: list[str], out: str, tokenizer: str | None, val_fraction: float, seed: int
+    inputs: list[str],
+    out: str,
+    tokenizer: str | None,
+    val_fraction: float,
+    seed: int,
+    force: bool = False,
 ) -> int:
-    """``wanka data prepare``: inputs are .txt/.jsonl files, folders, or ``builtin``."""
+    """``wanka data prepare``: inputs are .txt/.jsonl files, folders, or ``builtin``. Exit 2
+    with one line on bad input; an existing --out made from other inputs or options is
+    refused (or rebuilt with ``force``), never silently kept."""
     try:
-        tok = load_tokenizer(tokenizer)
         out_dir = Path(out)
+        _check_out_is_not_an_input(out_dir, inputs)
+        files = [i for i in inputs if i != "builtin"]
+        for f in map(Path, files):
+            if not f.exists():
+                raise ValueError(f"input not found: {f}")
+        tok = load_tokenizer(tokenizer)
+        sources = input_sources(inputs)
         existed = is_prepared(out_dir)
+        if existed and (diff := _options_differ(out_dir, tok, val_fraction, seed, sources)):
+            if not force:
+                raise ValueError(f"{out_dir} was prepared with other {diff}: pass --force to "
+                                 "rebuild it, or choose another --out")  # fmt: skip
+            shutil.rmtree(out_dir)
+            existed = False
         t0 = time.perf_counter()
         if not existed:
-            files = [i for i in inputs if i != "builtin"]
             docs = builtin_documents() if "builtin" in inputs else []
             docs += read_input_files(files)
-            prepare_documents(docs, out_dir, tok, val_fraction=val_fraction, seed=seed)
-        else:
-            _check_tokenizer(out_dir, tok)
+            prepare_documents(docs, out_dir, tok, val_fraction, seed, sources=sources)
         s = read_meta(out_dir)["splits"]
-    except (ValueError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, ImportError, OSError) as e:
+        print(f"wanka data prepare: {e}", file=sys.stderr)
+        return 2
     status = "already prepared, kept" if existed else f"prepared in {time.perf_counter() - t0:.1f}s"
     print(
         f"{out_dir}: {status}; tokenizer {tok.name}; "
@@ -246,6 +313,33 @@ def main_prepare(
         f"val {s['val']['num_docs']} docs {s['val']['num_tokens']:,} tokens"
     )
     return 0
+
+
+def _check_out_is_not_an_input(out_dir: Path, inputs: list[str]) -> None:
+    out = out_dir.resolve()
+    for i in inputs:
+        p = Path(i).resolve()
+        if i != "builtin" and (out == p or out in p.parents or (p.is_dir() and p in out.parents)):
+            raise ValueError(f"--out {out_dir} overlaps the input {i}: choose an --out "
+                             "outside the inputs (e.g. data/mine)")  # fmt: skip
+
+
+def _options_differ(
+    path: Path, tok: Tokenizer, val_fraction: float, seed: int, sources: list
+) -> str:
+    """Which of the saved options differ from these ('' if none). A dataset from before
+    sources were recorded is compared on what it recorded."""
+    meta = read_meta(path)
+    diff = []
+    if meta["tokenizer"]["name"] != tok.name:
+        diff.append(f"tokenizer ({meta['tokenizer']['name']}, now {tok.name})")
+    if meta.get("val_fraction") != val_fraction:
+        diff.append(f"--val-fraction ({meta.get('val_fraction')}, now {val_fraction})")
+    if meta.get("seed") != seed:
+        diff.append(f"--seed ({meta.get('seed')}, now {seed})")
+    if meta.get("sources") is not None and meta["sources"] != sources:
+        diff.append("inputs (files added, removed or changed)")
+    return "; ".join(diff)
 
 
 class TokenDataset:

@@ -47,7 +47,11 @@ class HFTokenizer:
             ) from e
         self.path = Path(path)
         self.spec = str(self.path.resolve())
-        self._tok = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(self.path))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({e}); pass "
+                             "the tokenizer.json of a model repo, or 'byte'") from None  # fmt: skip
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # Content hash, so a changed file never reuses a stale prepared dataset.
         self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]

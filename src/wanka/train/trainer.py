@@ -81,9 +81,7 @@ def setup(cfg: JobConfig) -> Job:
     torch.manual_seed(cfg.train.seed)
     data_path = _dataset_path(cfg, rank)
     train_ds = TokenDataset(data_path, "train")
-    if train_ds.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"data vocab_size {train_ds.vocab_size} > model.vocab_size "
-                         f"{cfg.model.vocab_size}: raise model.vocab_size")  # fmt: skip
+    check_vocab(train_ds.vocab_size, cfg.model.vocab_size)
     dp_rank = dims.mesh("dp").get_local_rank()
     loader = PackedLoader(train_ds, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank,
                           dims.dp_shard, cfg.train.seed)  # fmt: skip
@@ -129,12 +127,20 @@ def check_data(cfg: JobConfig, world_size: int) -> None:
     """Open the data as rank 0 would (preparing the built-in corpus if needed), so that a
     dataset too small for the sequence length or batch fails once, before ranks start."""
     path = _dataset_path(cfg, rank=0)
+    check_vocab(TokenDataset(path, "train").vocab_size, cfg.model.vocab_size)
     PackedLoader(
         TokenDataset(path, "train"), cfg.data.seq_len, cfg.train.micro_batch_size, 0, world_size, 0
     )
     validation_batches(
         TokenDataset(path, "val"), cfg.data.seq_len, cfg.train.micro_batch_size, 1, 0, world_size
     )
+
+
+def check_vocab(data_vocab: int, model_vocab: int) -> None:
+    if data_vocab > model_vocab:
+        fit = -(-data_vocab // 64) * 64  # a multiple of 64 keeps the embedding GEMMs aligned
+        raise ValueError(f"the dataset's tokenizer has {data_vocab} tokens but model.vocab_size="
+                         f"{model_vocab}: set model.vocab_size={fit} (--set model.vocab_size={fit})")  # fmt: skip
 
 
 def _setup_logging(run_dir: Path, rank: int) -> None:

@@ -1,0 +1,92 @@
+"""Own data as a newcomer meets it: small corpora, wrong files, changed options, shared dirs."""
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from wanka.data.corpus import Document, split_documents
+from wanka.data.loader import validation_batches
+from wanka.data.prepare import TokenDataset, main_prepare, prepare_documents, read_meta
+from wanka.data.tokenizer import ByteTokenizer
+
+
+def _docs(tmp_path: Path, n: int = 30, size: int = 900) -> Path:
+    d = tmp_path / "docs"
+    d.mkdir()
+    for i in range(n):
+        (d / f"{i:03d}.txt").write_text(f"document {i} " + "lorem ipsum dolor " * (size // 18))
+    return d
+
+
+def test_small_corpus_gets_enough_validation_text_for_a_batch(tmp_path):
+    docs = [Document(f"d{i}", "x" * 1000) for i in range(200)]  # 200 kB, 1% would be 2 docs
+    train, val = split_documents(docs, 0.01, 0, min_val_chars=32768)
+    assert sum(len(d.text) for d in val) >= 20000  # a tenth of the text at most
+    assert len(train) + len(val) == 200
+    assert split_documents(docs, 0.0, 0, min_val_chars=32768)[1] == []  # 0 still means none
+
+
+def test_val_split_smaller_than_a_batch_is_read_round_robin(tmp_path):
+    out = prepare_documents([Document("a", "a" * 400), Document("b", "b" * 60)], tmp_path / "ds",
+                            ByteTokenizer(), val_fraction=0.5, min_val_chars=0)  # fmt: skip
+    val = TokenDataset(out, "val")
+    batches = validation_batches(val, 16, 8, 4, 0, 2)  # 2 ranks x 8 rows of 16 > the split
+    assert len(batches) == 1 and batches[0].tokens.shape == (8, 16)
+
+
+def test_prepare_errors_are_one_line_exit_2(tmp_path, capsys):
+    bad_utf8 = tmp_path / "latin1.txt"
+    bad_utf8.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    bad_tok = tmp_path / "tokenizer.json"
+    bad_tok.write_text("{not json")
+    docs = _docs(tmp_path)
+    cases = [
+        ([str(tmp_path / "missing.txt")], str(tmp_path / "o1"), None, "input not found"),
+        ([str(bad_utf8)], str(tmp_path / "o2"), None, "latin1.txt is not UTF-8"),
+        ([str(docs)], str(tmp_path / "o3"), str(bad_tok), "is not a Hugging Face tokenizer.json"),
+        ([str(docs)], str(docs), None, "overlaps the input"),
+        ([str(docs)], str(docs / "sub"), None, "overlaps the input"),
+    ]
+    for inputs, out, tok, needle in cases:
+        assert main_prepare(inputs, out, tok, 0.1, 0) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not (docs / "sub").exists()
+
+
+def test_existing_out_with_other_options_is_refused_then_forced(tmp_path, capsys):
+    docs, out = _docs(tmp_path), tmp_path / "ds"
+    assert main_prepare([str(docs)], str(out), None, 0.1, 0) == 0
+    assert main_prepare([str(docs)], str(out), None, 0.1, 0) == 0  # same: kept
+    assert "already prepared, kept" in capsys.readouterr().out
+    assert main_prepare([str(docs)], str(out), None, 0.2, 0) == 2
+    assert "--val-fraction (0.1, now 0.2)" in capsys.readouterr().err
+    (docs / "new.txt").write_text("a new document " * 50)
+    assert main_prepare([str(docs)], str(out), None, 0.1, 0) == 2
+    assert "inputs (files added, removed or changed)" in capsys.readouterr().err
+    assert main_prepare([str(docs)], str(out), None, 0.1, 0, force=True) == 0
+    assert read_meta(out)["splits"]["train"]["num_docs"] + read_meta(out)["splits"]["val"]["num_docs"] == 31  # fmt: skip
+
+
+def test_prepared_dataset_is_readable_by_the_group(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = prepare_documents([Document("a", "abc" * 100), Document("b", "de" * 100)],
+                                tmp_path / "ds", ByteTokenizer(), 0.5)  # fmt: skip
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) & 0o050 == 0o050
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) & 0o040
+
+
+def test_fix_hint_never_points_at_the_raw_input(tmp_path):
+    raw = tmp_path / "mine.jsonl"
+    raw.write_text(json.dumps({"text": "hello"}) + "\n")
+    with pytest.raises(ValueError) as e:
+        TokenDataset(raw, "train")
+    assert f"--out {tmp_path / 'mine-prepared'}" in str(e.value)
+    assert f"--out {raw} " not in str(e.value) and not str(e.value).endswith(f"--out {raw}`")
