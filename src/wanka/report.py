@@ -16,8 +16,9 @@ Row = dict[str, float]
 _EXTRA_LOSS_KEYS = ("indexer_kl", "moe_balance")
 
 
-def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """Return (train rows, eval rows) from run_dir/metrics.jsonl, each sorted by step."""
+def load_metrics(run_dir: Path, markers: list | None = None) -> tuple[list[dict], list[dict]]:
+    """Return (train rows, eval rows) from run_dir/metrics.jsonl, each sorted by step;
+    marker rows (resumes, schedule changes) are appended to `markers` when given."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"no {METRICS_FILE} in {run_dir}: is this a wanka run directory?")
@@ -34,6 +35,8 @@ def load_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             train.append(row)
         elif row.get("kind") == "eval":
             evals.append(row)
+        elif markers is not None:
+            markers.append(row)
     train.sort(key=lambda r: r["step"])
     evals.sort(key=lambda r: r["step"])
     return train, evals
@@ -68,9 +71,11 @@ def plot_loss_curves(run_dir: Path, out: Path | None = None) -> Path:
     # Figure + Agg canvas instead of pyplot: no display needed and no global backend switch.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     run_dir = Path(run_dir)
-    train, evals = load_metrics(run_dir)
+    markers: list[dict] = []
+    train, evals = load_metrics(run_dir, markers)
     out = Path(out) if out is not None else run_dir / "loss_curve.png"
 
     fig = Figure(figsize=(10, 10), constrained_layout=True)
@@ -78,10 +83,14 @@ def plot_loss_curves(run_dir: Path, out: Path | None = None) -> Path:
     ax_loss, ax_lr, ax_tps = fig.subplots(3, 1, sharex=True)
     fig.suptitle(f"wanka run: {run_dir.resolve().name}")
 
-    # Panel 1: total loss, its parts, and eval points.
+    # Panel 1: the trained loss, its parts, and eval points. A part is drawn only where it
+    # differs from the loss (lm_loss *is* the loss after the dense warm-up): no series twice.
     drawn = []
+    loss_at = dict(zip(*_series(train, "loss")))
     for key in ["loss", *_loss_keys(train)]:
         xs, ys = _series(train, key)
+        if key != "loss":
+            xs, ys = [x for x, y in zip(xs, ys) if loss_at.get(x) != y], [y for x, y in zip(xs, ys) if loss_at.get(x) != y]  # fmt: skip
         if xs:
             lw = 1.6 if key == "loss" else 0.9
             ax_loss.plot(xs, ys, label=key, linewidth=lw)
@@ -123,14 +132,21 @@ def plot_loss_curves(run_dir: Path, out: Path | None = None) -> Path:
     ax_tps.set_ylabel("tokens/s")
     ax_tps.set_xlabel("step")
     ax_tps.grid(True, alpha=0.3)
+    ax_tps.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are counts
+    for m in markers:  # resumes and schedule changes, on every panel
+        for ax in (ax_loss, ax_lr, ax_tps):
+            ax.axvline(m["step"], color="gray", linestyle=":", linewidth=0.9)
+        ax_loss.annotate(m["kind"].replace("_", " "), (m["step"], 1.0), xycoords=("data", "axes fraction"),
+                         fontsize=7, color="dimgray", ha="left", va="top", rotation=90)  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     return out
 
 
-def summarize(train: list[dict], evals: list[dict]) -> list[str]:
-    """Short text summary lines for `wanka report`."""
+def summarize(train: list[dict], evals: list[dict], with_total: bool = True) -> list[str]:
+    """Short text summary lines for `wanka report` (`with_total`: a total time line, left
+    out when the goodput block gives the job's wall time: one total, not two)."""
     lines: list[str] = []
     if train:
         lines.append(f"steps          : {train[-1]['step']}")
@@ -144,7 +160,7 @@ def summarize(train: list[dict], evals: list[dict]) -> list[str]:
     if tps:
         lines.append(f"tokens/s       : {statistics.median(tps):,.0f} (median)")
     times = [r["time"] for r in train + evals if isinstance(r.get("time"), int | float)]
-    if len(times) >= 2:
+    if len(times) >= 2 and with_total:
         # First to last row: includes any downtime between a crash and its resume.
         lines.append(f"total time     : {max(times) - min(times):.1f} s")
     if not train and not evals:
@@ -185,7 +201,7 @@ def report_main(run_dir: str) -> int:
         # block is still worth showing.
         print(f"wanka report: {e}; loss curve skipped", file=sys.stderr)
     else:
-        for line in summarize(train, evals):
+        for line in summarize(train, evals, with_total=not goodput):
             print(line)
         print(f"loss curve     : {png}")
     for block in goodput:

@@ -38,6 +38,7 @@ def test_crash_hang_and_nan_recover_to_the_same_state(reference):
     faults = [e for e in events if e["kind"] == "fault"]
     assert [f["cause"] for f in faults] == ["process_crash", "hang", "nan", "slow"]
     assert faults[3]["rank"] == 1  # the straggler, not the peers waiting for it
+    assert faults[2].get("injected") is True  # the injected NaN (injected on rank 1) says so
     restores = [e for e in events if e["kind"] == "restore"]
     assert [x["source"] for x in restores] == ["none", "memory", "memory"]
     hang = faults[1]

@@ -216,3 +216,39 @@ def test_tensorboard_events_written(tmp_path: Path) -> None:
     w.log_train(2, {"loss": 0.5})
     w.close()
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_loss_parts_equal_to_the_loss_are_not_drawn_twice_and_resumes_are_marked(tmp_path):
+    from wanka.report import load_metrics, plot_loss_curves, summarize
+    from wanka.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, True, 6, tensorboard=False)
+    for step in range(1, 7):
+        kl, lm = 0.5 / step, 5.0 / step
+        warm = step <= 2  # dense warm-up: the loss is the KL
+        w.log_train(step, {"loss": kl if warm else lm, "lm_loss": lm, "indexer_kl": kl})
+        if step == 4:
+            w.log_event("resume", 4, source="disk")
+    w.close()
+    markers: list = []
+    train, evals = load_metrics(tmp_path, markers)
+    assert [m["kind"] for m in markers] == ["resume"] and len(train) == 6
+    png = plot_loss_curves(tmp_path)
+    assert png.is_file()
+    assert not any(
+        line.startswith("total time") for line in summarize(train, evals, with_total=False)
+    )
+
+
+def test_truncate_drops_markers_past_the_resume_step(tmp_path):
+    from wanka.report import load_metrics
+    from wanka.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, True, 6, tensorboard=False)
+    w.log_train(1, {"loss": 1.0})
+    w.log_event("resume", 5)
+    w.truncate_after(3)
+    w.close()
+    markers: list = []
+    load_metrics(tmp_path, markers)
+    assert markers == []

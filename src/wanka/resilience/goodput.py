@@ -279,16 +279,27 @@ def plot_timeline(events: list[dict], png: Path) -> Path:
                            hatch="xx" if lost else None, edgecolor="darkred" if lost else "none",
                            linewidth=0.3)  # fmt: skip
     fy = lanes.index("detection")
-    for ev in events:
-        if ev["kind"] != "fault":
-            continue
-        t0, t1 = _span(ev)
-        d = (t0 if t1 is None else t1) - w0
-        ax.axvline(d, color="red", linewidth=0.8, alpha=0.5)
-        ax.plot([d], [fy], marker="X", color="red", markersize=9)
-        # Top of the plot (the y axis is inverted), reading downwards.
-        ax.annotate(str(ev.get("cause", "?")), (d, -0.65), rotation=90, fontsize=7,
-                    color="red", ha="right", va="top")  # fmt: skip
+    # A number per fault on the plot (faults close together share one label), the words in a
+    # key beside it: labels never overlap however many faults there are.
+    groups: list[tuple[float, list[int]]] = []
+    gap = 0.015 * max(g.wall_s, 1e-9)
+    for n, f in enumerate(g.faults, 1):
+        ax.axvline(f["t"], color="red", linewidth=0.8, alpha=0.5)
+        ax.plot([f["t"]], [fy], marker="X", color="red", markersize=9)
+        if groups and f["t"] - groups[-1][0] < gap:
+            groups[-1][1].append(n)
+        else:
+            groups.append((f["t"], [n]))
+    for t, ns in groups:
+        text = str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+        ax.annotate(text, (t, -0.62), fontsize=8, color="red", ha="center", va="top",
+                    fontweight="bold")  # fmt: skip
+    if g.faults:
+        key = [f"{n}: {_fault_label(f)}" for n, f in enumerate(g.faults, 1)]
+        if len(key) > 14:
+            key = key[:13] + [f"... {len(key) - 13} more (wanka report)"]
+        ax.text(1.01, 1.0, "faults\n" + "\n".join(key), transform=ax.transAxes, fontsize=7,
+                va="top", ha="left", family="monospace", color="darkred")  # fmt: skip
     starts: dict[object, float] = {}
     for ev in events:
         starts[ev.get("attempt")] = min(starts.get(ev.get("attempt"), float("inf")), ev["t0"])
@@ -305,6 +316,11 @@ def plot_timeline(events: list[dict], png: Path) -> Path:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
     return png
+
+
+def _fault_label(f: dict) -> str:
+    where = f" rank {f['rank']}" if f.get("rank") is not None else ""
+    return f"{f['cause']}{where}{' (injected)' if f.get('injected') else ''}"
 
 
 class TimelineWriter:

@@ -188,6 +188,14 @@ class MetricsWriter:
         text = ", ".join(f"{k} {v:.4f}" for k, v in values.items())
         self.progress.message(f"eval step {int(step)}: {text}")
 
+    def log_event(self, kind: str, step: int, **fields: Any) -> None:
+        """A marker row (e.g. "resume", "schedule_change"): plotted, not a metric."""
+        if not self.is_main or self._file is None:
+            return
+        row = {"kind": kind, "step": int(step), "time": time.time(), **fields}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (lost work from before a resume), atomically."""
         if not self.is_main or not self.path.exists():
@@ -202,7 +210,7 @@ class MetricsWriter:
                 continue  # a half-written last line from a crash
             if not isinstance(row, dict):
                 continue
-            if row.get("kind") in ("train", "eval") and int(row.get("step", 0)) > step:
+            if int(row.get("step", 0)) > step:  # metrics and markers alike
                 continue
             kept.append(line + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")

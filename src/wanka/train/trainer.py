@@ -202,7 +202,8 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         log.warning("step %d: %s; %s", step + 1, bad,
                     "retrying it" if tries == 0 else "skipping this batch")  # fmt: skip
         now = time.time()
-        rt.event("fault", now, now, cause="nan", rank=None, node=rt.node, detail=bad, step=step)
+        rt.event("fault", now, now, cause="nan", rank=None, node=rt.node, detail=bad, step=step,
+                 injected=bool(sums[4] > 0))  # fmt: skip
     skipped = bad is not None
     rt.skipped_in_a_row = rt.skipped_in_a_row + 1 if skipped else 0
     if rt.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the state, not one batch, is bad
@@ -218,7 +219,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     )
     dt = time.perf_counter() - t0
     tokens = n_micro_global * micro[0].tokens.numel()
-    lm, mtp, kl_sum, bal = sums.tolist()
+    lm, mtp, kl_sum, bal, _ = sums.tolist()
     return {
         "loss": kl_sum / n_kl if phase == "dense_warmup" else lm / n_lm,  # what is trained
         "lm_loss": lm / n_lm, "mtp_loss": mtp / n_mtp,
@@ -234,7 +235,7 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
     """Gradients of the global-mean loss over all micro-batches; returns the global loss sums
     (all-reduced, so every rank can judge the step alike) and the clipped global grad norm."""
     cfg, model, rt = job.cfg, job.model, job.runtime
-    sums = torch.zeros(4, dtype=torch.float64)
+    sums = torch.zeros(5, dtype=torch.float64)  # lm, mtp, kl, balance, injected NaNs
     amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
     for i, b in enumerate(micro):
         # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
@@ -250,9 +251,10 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
                     + cfg.model.balance_loss_weight * parts.balance / n_micro_global)  # fmt: skip
         if i == 0 and rt.chaos.nan_now(step):
             loss = loss * float("nan")  # an injected numeric fault (e.g. a flipped bit)
+            sums[4] += 1  # every rank learns it was injected (the report marks it so)
         rt.progress.enter("backward", step)
         loss.backward()
-        sums += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
+        sums[:4] += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
                              parts.balance.detach()]).double().cpu()  # fmt: skip
         if not torch.isfinite(loss.detach()):
             sums[0] = float("nan")
@@ -318,6 +320,8 @@ def run(cfg: JobConfig) -> dict:
     rt.event("startup", rt.launch_time or t_process, time.time())
     metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
     metrics.truncate_after(start)
+    if start > 0:
+        metrics.log_event("resume", start, source=info.get("source"))
     log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
              job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
 
