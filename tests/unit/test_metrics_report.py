@@ -252,3 +252,17 @@ def test_truncate_drops_markers_past_the_resume_step(tmp_path):
     markers: list = []
     load_metrics(tmp_path, markers)
     assert markers == []
+
+
+def test_eta_includes_time_spent_between_steps():
+    """Steps of 1 s with a 10 s evaluation every 5 steps: the ETA follows the wall clock."""
+    import io
+
+    from wanka.train.metrics import ProgressBar
+
+    now = [0.0]
+    bar = ProgressBar(20, io.StringIO(), clock=lambda: now[0])
+    for step in range(1, 11):
+        now[0] += 1.0 + (10.0 if step == 6 else 0.0)  # the eval after step 5 shows up here
+        bar.update(step, {"step_time": 1.0})
+    assert bar.eta(10) == pytest.approx(10 * (19.0 / 9))  # not 10 x the 1 s step time

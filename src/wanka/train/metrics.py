@@ -68,12 +68,21 @@ class ProgressBar:
         self._last_len = 0
         self._open_line = False  # TTY: a line is drawn without a trailing newline
         self._prev: tuple[int, float] | None = None  # (step, clock) fallback when no step_time
+        self._first: tuple[int, float] | None = None  # first update: the ETA's wall-clock base
+        self._stepped = 0.0  # step_time summed over the updates after the first
 
     def eta(self, step: int) -> float:
+        """Remaining steps x (the recent step time + the time per step spent outside steps
+        so far: evaluation, checkpoints, snapshots, which the step_time metric leaves out)."""
         if not self.step_times:
             return math.nan
         avg = sum(self.step_times) / len(self.step_times)
-        return avg * max(self.total - step, 0)
+        overhead = 0.0
+        if self._first is not None and self._prev is not None and self._prev[0] > self._first[0]:
+            steps = self._prev[0] - self._first[0]
+            wall = self._prev[1] - self._first[1]
+            overhead = max(0.0, (wall - self._stepped) / steps)
+        return (avg + overhead) * max(self.total - step, 0)
 
     def line(self, step: int, metrics: Mapping[str, float]) -> str:
         width = len(str(self.total))
@@ -91,10 +100,14 @@ class ProgressBar:
         now = self.clock()
         if "step_time" in metrics:
             self.step_times.append(metrics["step_time"])
+            if self._first is not None:  # steps between updates (log_every) counted alike
+                self._stepped += metrics["step_time"] * (step - (self._prev or self._first)[0])
         elif self._prev is not None and step > self._prev[0]:
             # No step_time given: estimate it from wall time between updates.
             self.step_times.append((now - self._prev[1]) / (step - self._prev[0]))
         self._prev = (step, now)
+        if self._first is None:
+            self._first = (step, now)
 
         last = step >= self.total
         if self.tty:
