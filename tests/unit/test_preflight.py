@@ -95,7 +95,7 @@ def test_missing_data_and_vocab_mismatch(overrides, tmp_path):
     bad = failing(overrides, f'data.path="{tmp_path / "nope"}"')
     assert "wanka data prepare" in bad["data"].message
     bad = failing(overrides, "model.vocab_size=128")
-    assert "raise model.vocab_size to >= 256" in bad["data"].message
+    assert "set model.vocab_size=256" in bad["data"].message
     bad = failing(overrides, f'data.tokenizer="{tmp_path / "missing.json"}"')
     assert "tokenizer file not found" in bad["data"].message
 
@@ -164,7 +164,7 @@ def test_cli_exit_codes(overrides, tmp_path, capsys):
     sets = [x for o in overrides() for x in ("--set", o)]
     assert run_cli("check", *sets, "--nproc", "2", "--no-live") == 0
     assert "ready to launch" in capsys.readouterr().out
-    assert run_cli("check", *sets, "--set", "model.index_topk=128", "--nproc", "2") == 1
+    assert run_cli("check", *sets, "--set", "model.index_topk=128", "--nproc", "2") == 2
     out = capsys.readouterr().out
     assert "FAIL  sequence" in out and out.count("FAIL  ") == 1
     assert run_cli("check", str(tmp_path / "missing.toml")) == 2

@@ -1,5 +1,6 @@
 """argparse wiring for `wanka check CONFIG`: the pre-flight report, exit 0 when every check
-passes (warnings allowed), 1 when any fails, 2 when the config itself cannot be read."""
+passes (warnings allowed), 2 when the input is bad (the config cannot be read, or a static
+check of the config and data fails), 1 when only a live check of the machines fails."""
 
 from __future__ import annotations
 
@@ -28,10 +29,23 @@ def _check(a: argparse.Namespace) -> int:
     live = a.live if a.live is not None else cfg.resilience.preflight == "full"
     if inside_torchrun():  # started per node by torchrun / `wanka cluster launch -- check ...`
         return _check_as_rank(cfg, live, a.timeout)
+    if a.nproc < 1:
+        print(f"wanka check: --nproc must be >= 1, got {a.nproc}", file=sys.stderr)
+        return 2
     rdzv = {k: getattr(a, k) for k in RDZV_FLAGS if k != "max_restarts"}
-    report = pf.preflight(cfg, a.nproc, _nnodes(a.nnodes), live, rdzv, timeout_s=a.timeout)
+    t0, nnodes = time.perf_counter(), _nnodes(a.nnodes)
+    results = pf.static_checks(cfg, a.nproc * nnodes, nnodes)
+    bad_input = [r.name for r in results if not r.ok]  # about the job's config and data
+    if live:
+        results += pf.live_checks(cfg, a.nproc, {**rdzv, "nnodes": rdzv.get("nnodes") or nnodes},
+                                  a.timeout)  # fmt: skip
+    report = pf.PreflightReport(results, time.perf_counter() - t0)
     print(report.format())
-    return 0 if report.ok else 1
+    if bad_input:  # the README's promise: bad input exits 2, with one line on stderr
+        print(f"wanka check: the job's input failed {', '.join(bad_input)} (see the FAIL lines)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return 0 if report.ok else 1  # 1: the machines, not the input
 
 
 def _check_as_rank(cfg, live: bool, timeout_s: float) -> int:
