@@ -34,7 +34,14 @@ from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
 from wanka.train.checkpoint import Checkpointer, SaveSchedule
 from wanka.train.metrics import MetricsWriter, format_summary
-from wanka.train.optim import apply_hyperparameters, build_optimizer, clip_grad_norm, set_lr
+from wanka.train.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    clip_grad_norm,
+    schedule_change,
+    schedule_record,
+    set_lr,
+)
 
 log = logging.getLogger("wanka.train")
 MAX_SKIPPED_IN_A_ROW = 3
@@ -322,6 +329,10 @@ def run(cfg: JobConfig) -> dict:
     metrics.truncate_after(start)
     if start > 0:
         metrics.log_event("resume", start, source=info.get("source"))
+    if change := info.get("lr_schedule_change"):  # one line, once, plus a marker row
+        if job.is_main:
+            log.warning("%s", change)
+        metrics.log_event("lr_schedule_change", start, message=change)
     log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
              job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
 
@@ -420,7 +431,18 @@ def _train_state(job: Job) -> dict:
     """What besides model and optimizer a checkpoint holds; the model config guards resumes."""
     model_cfg = json.dumps(dataclasses.asdict(job.cfg.model), sort_keys=True)
     guard = json.dumps(job.runtime.guard.state_dict())
-    return {"loader": job.loader.state_dict(), "model_config": model_cfg, "guard": guard}
+    # The LR schedule in force: a resume compares it with its own (see _note_schedule_change).
+    schedule = json.dumps(schedule_record(job.cfg.train), sort_keys=True)
+    return {"loader": job.loader.state_dict(), "model_config": model_cfg, "guard": guard,
+            "lr_schedule": schedule}  # fmt: skip
+
+
+def _note_schedule_change(job: Job, saved: str | None, step: int, info: dict) -> None:
+    """Record in `info` (hence the restore event) a one-line note when the LR curve from `step`
+    on is not the one the checkpoint was following; checkpoints from before the record: none."""
+    change = schedule_change(json.loads(saved) if saved else None, job.cfg.train, step)
+    if change is not None:
+        info["lr_schedule_change"] = change
 
 
 def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
@@ -459,6 +481,7 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         job.runtime.guard.load_state_dict(json.loads(state["guard"]))
     apply_hyperparameters(job.optimizer, job.cfg.train)
     info.update(source="disk", step=int(state["step"]))
+    _note_schedule_change(job, state.get("lr_schedule"), int(state["step"]), info)
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
 
