@@ -13,16 +13,31 @@ from wanka.distributed.launch import RDZV_FLAGS
 from wanka.lab.cli import add_lab_parser
 from wanka.resilience.chaos_cli import add_chaos_parser
 from wanka.resilience.check_cli import add_check_parser
-from wanka.resilience.nodes_cli import add_nodes_parser
+from wanka.resilience.nodes_cli import add_clean_parser, add_nodes_parser
 
 
 def _train(args: argparse.Namespace) -> int:
     from wanka.config import load_config
-    from wanka.distributed.launch import inside_torchrun, launch, single_process_env
+    from wanka.distributed.launch import inside_torchrun
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be 1 or more (got {args.nproc}): the number of ranks "
+                         "to start on this node")  # fmt: skip
+    cfg = load_config(args.config, args.set)
+    if inside_torchrun():  # a rank: the `wanka train` that launched it holds the run directory
+        return _train_rank(cfg)
+    from wanka.train.run_lock import job_start
+
+    rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
+    # Held until the job ends: a second job on this run directory is refused (exit 2).
+    with job_start(cfg, rdzv, getattr(args, "argv", None) or ["train"]):
+        return _launch_job(args, cfg, rdzv)
+
+
+def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
+    from wanka.distributed.launch import launch, single_process_env
     from wanka.distributed.parallel_dims import ParallelDims
 
-    cfg = load_config(args.config, args.set)
-    rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
     worker = [
         "train",
         *([args.config] if args.config else []),
@@ -39,28 +54,32 @@ def _train(args: argparse.Namespace) -> int:
         from wanka.cluster.launch import launch_on_cluster
 
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
-    if not inside_torchrun():
-        nnodes = int(str(args.nnodes or 1).split(":")[-1])
-        ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
-        if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
-            from wanka.train.trainer import check_data
+    nnodes = int(str(args.nnodes or 1).split(":")[-1])
+    ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+    if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
+        from wanka.train.trainer import check_data
 
-            check_data(cfg, args.nproc)
-        if cfg.resilience.supervise:
-            from wanka.resilience.chaos import parse_schedule
-            from wanka.resilience.supervisor import Supervisor
+        check_data(cfg, args.nproc)
+    if cfg.resilience.supervise:
+        from wanka.resilience.chaos import parse_schedule
+        from wanka.resilience.supervisor import Supervisor
 
-            chaos = parse_schedule(args.chaos) if args.chaos else None
-            return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
-        if args.nproc > 1 or args.nnodes is not None:
-            rc = launch(args.nproc, rdzv, worker)
-            if rc not in (0, 2):  # 2: a rank already printed the one-line reason
-                print(
-                    f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log",
-                    file=sys.stderr,
-                )
-            return rc
-        single_process_env()
+        chaos = parse_schedule(args.chaos) if args.chaos else None
+        return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
+    if args.nproc > 1 or args.nnodes is not None:
+        rc = launch(args.nproc, rdzv, worker)
+        if rc not in (0, 2):  # 2: a rank already printed the one-line reason
+            print(
+                f"wanka train: ranks failed (exit {rc}); see {cfg.run.dir}/logs/rank*.log",
+                file=sys.stderr,
+            )
+        return rc
+    single_process_env()
+    return _train_rank(cfg)
+
+
+def _train_rank(cfg) -> int:
+    """One rank's job (or the whole job, single-process)."""
     from wanka.resilience.supervisor import EXIT_PREEMPTED
     from wanka.resilience.worker import Preempted
     from wanka.train.trainer import run
@@ -145,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parser(sub)
     add_check_parser(sub)
     add_nodes_parser(sub)
+    add_clean_parser(sub)
     add_chaos_parser(sub)
     add_lab_parser(sub)
 
@@ -205,6 +225,7 @@ def _log_to_files(msg: str, exc_info=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the run lock records
     from wanka.config import ConfigError
     from wanka.distributed.parallel_dims import ParallelError
 

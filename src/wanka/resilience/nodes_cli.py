@@ -1,4 +1,5 @@
-"""argparse wiring of `wanka nodes`: show the fault ledger, evict or clear a node by hand.
+"""argparse wiring of `wanka nodes`: show the fault ledger, evict or clear a node by hand, and
+this node's in-memory snapshot folders; and of `wanka clean`, which removes the stale ones.
 Every handler takes the parsed Namespace and returns an exit code; bad input raises
 ValueError (one line, exit 2 in wanka.cli)."""
 
@@ -9,8 +10,10 @@ import time
 
 from wanka.resilience.ledger import FaultLedger
 
-# Same as ResilienceConfig.ledger's default (src/wanka/config/schema.py).
+# Same as ResilienceConfig.ledger's and .snapshot_dir's defaults (src/wanka/config/schema.py).
 DEFAULT_LEDGER = ".cache/wanka/faults.sqlite"
+DEFAULT_SNAPSHOT_DIR = "/dev/shm/wanka"
+SNAPSHOT_LINES = 8  # folders `wanka nodes` lists (`wanka clean` lists them all)
 
 
 def _when(t: float | None) -> str:
@@ -26,6 +29,7 @@ def _table(a: argparse.Namespace) -> int:
     rows = _open(a).summary()
     if not rows:
         print(f"no faults recorded in {a.ledger}")
+        _snapshot_section(a.snapshot_dir)
         return 0
     print(f"{'node':16s} {'status':8s} {'faults':>6s} {'counted':>7s}  {'last fault':19s}  "
           f"{'last cause':18s} by cause")  # fmt: skip
@@ -35,7 +39,64 @@ def _table(a: argparse.Namespace) -> int:
               f"{_when(r['last_time']):19s}  {r['last_cause'] or '-':18s} {causes}")  # fmt: skip
         if r["status"] == "evicted":
             print(f"{'':16s} evicted: {r['reason']}")
+    _snapshot_section(a.snapshot_dir)
     return 0
+
+
+def _max_age_h() -> float:
+    from wanka.config.schema import ResilienceConfig
+
+    return ResilienceConfig().snapshot_max_age_h
+
+
+def _snapshot_section(snapshot_dir: str) -> None:
+    """A short section: this node's snapshot folders and what `wanka clean` would free."""
+    from wanka.train.run_lock import folder_lines, human_bytes, snapshot_folders
+
+    folders, max_age = snapshot_folders(snapshot_dir), _max_age_h()
+    print()
+    if not folders:
+        print(f"no in-memory snapshots in {snapshot_dir}")
+        return
+    stale = [f for f in folders if f.state(max_age) == "stale"]
+    live = sum(f.live for f in folders)
+    print(f"in-memory snapshots in {snapshot_dir}: {len(folders)} job folder(s), "
+          f"{human_bytes(sum(f.bytes for f in folders))}; {live} live, {len(stale)} stale "
+          f"(idle > {max_age:g} h)" + (f": `wanka clean --snapshots` frees "
+                                      f"{human_bytes(sum(f.bytes for f in stale))}" if stale else ""))  # fmt: skip
+    lines = folder_lines(folders, max_age)
+    for line in lines[: SNAPSHOT_LINES + 1]:
+        print("  " + line)
+    if len(lines) > SNAPSHOT_LINES + 1:
+        print(f"  ... {len(lines) - SNAPSHOT_LINES - 1} more: see `wanka clean`")
+
+
+def _clean(a: argparse.Namespace) -> int:
+    from wanka.config import load_config
+    from wanka.train.run_lock import folder_lines, human_bytes, remove_folder, snapshot_folders
+
+    cfg = load_config(a.config, a.set).resilience
+    root = a.snapshot_dir or cfg.snapshot_dir
+    max_age = cfg.snapshot_max_age_h if a.max_age_h is None else a.max_age_h
+    folders = snapshot_folders(root)
+    if not folders:
+        print(f"no in-memory snapshots in {root}")
+        return 0
+    print(f"in-memory snapshots in {root} (stale: not live and idle > {max_age:g} h):")
+    for line in folder_lines(folders, max_age):
+        print("  " + line)
+    if not (a.snapshots or a.all):
+        print("`wanka clean --snapshots` removes the stale ones, `--all` every one not live")
+        return 0
+    doomed = [f for f in folders if f.state(max_age) == "stale" or (a.all and not f.live)]
+    freed = [f for f in doomed if remove_folder(f)]
+    for f in freed:
+        print(f"removed {f.path} ({human_bytes(f.bytes)})")
+    for f in doomed:
+        if f not in freed:
+            print(f"could not remove {f.path}")
+    print(f"freed {human_bytes(sum(f.bytes for f in freed))} in {len(freed)} folder(s)")
+    return 0 if len(freed) == len(doomed) else 1
 
 
 def _faults(a: argparse.Namespace) -> int:
@@ -77,6 +138,8 @@ def add_nodes_parser(subparsers: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--ledger", default=DEFAULT_LEDGER,
                         help=f"fault ledger file (default: {DEFAULT_LEDGER})")  # fmt: skip
+    common.add_argument("--snapshot-dir", default=DEFAULT_SNAPSHOT_DIR,
+                        help=f"in-memory snapshot dir (default: {DEFAULT_SNAPSHOT_DIR})")  # fmt: skip
     n = subparsers.add_parser("nodes", parents=[common],
                               help="fault ledger: node status, faults, evict / clear a node")  # fmt: skip
     # Bare `wanka nodes` shows the table, so the sub-command is optional.
@@ -86,6 +149,7 @@ def add_nodes_parser(subparsers: argparse._SubParsersAction) -> None:
     # keeps X instead of being reset to the default by the sub-parser.
     sub_common = argparse.ArgumentParser(add_help=False)
     sub_common.add_argument("--ledger", default=argparse.SUPPRESS, help="fault ledger file")
+    sub_common.add_argument("--snapshot-dir", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     f = sub.add_parser("faults", parents=[sub_common], help="list recorded faults")
     f.add_argument("--node", default=None, help="only this node's faults")
@@ -97,3 +161,22 @@ def add_nodes_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("node")
     e.add_argument("--reason", required=True)
     e.set_defaults(fn=_evict)
+
+
+def add_clean_parser(subparsers: argparse._SubParsersAction) -> None:
+    """`wanka clean [CONFIG] [--snapshots | --all]`: this node's in-memory snapshot folders."""
+    c = subparsers.add_parser("clean", help="list / remove in-memory snapshots of jobs that are "
+                              "not running (shared memory)")  # fmt: skip
+    c.add_argument("config", nargs="?", help="TOML job file for resilience.snapshot_dir and "
+                   "resilience.snapshot_max_age_h (defaults when omitted)")  # fmt: skip
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field")  # fmt: skip
+    c.add_argument("--snapshot-dir", default=None, help="default: resilience.snapshot_dir")
+    c.add_argument("--max-age-h", type=float, default=None,
+                   help="stale after this many idle hours (default: "
+                        "resilience.snapshot_max_age_h)")  # fmt: skip
+    what = c.add_mutually_exclusive_group()
+    what.add_argument("--snapshots", action="store_true",
+                      help="remove the stale folders (not live, idle over the age limit)")  # fmt: skip
+    what.add_argument("--all", action="store_true", help="remove every folder not live")
+    c.set_defaults(fn=_clean)

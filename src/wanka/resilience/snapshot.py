@@ -14,6 +14,10 @@ same layout), sent by a background thread on its own gloo group straight from th
 into the buddy's mapped slot, so losing a node's memory loses nothing; the training thread waits
 only if it comes back to a slot whose copy is still in flight. DCP checkpoints stay the
 fallback: they also load on a different world size, snapshots only on the same layout.
+
+SNAP_DIR/<job>/job.json (written by the supervisor) names the job's run directory: the folder is
+live while a live job holds that directory's lock, and is swept at any job's start once idle
+longer than resilience.snapshot_max_age_h (train/run_lock.py; `wanka clean` by hand).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from wanka.train.run_lock import drop_owner_if_alone
 
 log = logging.getLogger("wanka.snapshot")
 _ALIGN = 64  # every tensor starts on a 64-byte boundary, so any dtype view of the slot is legal
@@ -220,11 +226,11 @@ class SnapshotStore:
             shutil.rmtree(self.dir, ignore_errors=True)
             if self.recv_from is not None:
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
-            for d in (self.dir.parent, self.job_dir):  # the last rank out removes the folders
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass  # not empty (another rank's) or already gone
+            try:  # the last rank out removes the folders
+                self.dir.parent.rmdir()
+            except OSError:
+                pass  # not empty (another rank's) or already gone
+            drop_owner_if_alone(self.job_dir)  # and the job's owner record (train/run_lock.py)
 
     def _next_slot(self, d: Path) -> int:
         """The slot the newest committed snapshot in `d` is not in."""

@@ -110,6 +110,13 @@ class Supervisor:
         self.dir = resilience_dir(self.run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.job = job_id(self.run_dir)
+        if self.rc.snapshot_every > 0:  # whose snapshots these are: `wanka clean`, the sweep
+            from wanka.train.run_lock import write_owner
+
+            try:
+                write_owner(self.rc.snapshot_dir, self.job, self.run_dir)
+            except OSError:
+                pass  # no snapshot dir: the ranks' snapshot store says why
         self.node = node or os.environ.get("WANKA_NODE") or socket.gethostname()
         self.timeline = TimelineWriter(self.dir / "timeline.jsonl", attempt=0)
         self.ledger = FaultLedger(self.rc.ledger)
@@ -322,6 +329,14 @@ class Supervisor:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:  # a job that wrote no snapshot (e.g. stopped in pre-flight) leaves no folder
+            from wanka.train.run_lock import drop_owner_if_alone
+
+            drop_owner_if_alone(Path(self.rc.snapshot_dir) / self.job)
+
+    def _run(self) -> int:
         import wanka.train.trainer  # noqa: F401  (imported once here, inherited by every fork)
 
         t_job = time.time()

@@ -4,7 +4,8 @@ Layout: RUN_DIR/checkpoints/step-00000100/ holding DCP files plus a COMPLETE mar
 writes (atomically) only after every rank's data and DCP's metadata are on disk. The marker is
 also the manifest: size and SHA-256 of every file. Only marked checkpoints whose files still
 match their manifest are ever loaded, so a crash mid-save, a truncated or a corrupted file
-falls back to the previous valid checkpoint (the bad one is kept, flagged CORRUPT, never read). DCP stores tensors by
+falls back to the previous valid checkpoint (the bad one is kept, flagged CORRUPT, never read,
+pruned or overwritten: a new save of its step first renames it step-N.corrupt-<time>). DCP stores tensors by
 fully-qualified name and global shape, so a checkpoint saved by N ranks loads on M ranks.
 
 A save that cannot be written (disk full, I/O error) fails alike on every rank and leaves no
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -153,6 +155,37 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def remove_partials(root: Path) -> list[Path]:
+    """Remove the `.partial-` directories of saves that never finished (a hang or a kill mid-
+    save). Only at job start, under the run-directory lock (train/run_lock.py): no live
+    writer can own one then. Returns what was removed."""
+    gone = []
+    for p in sorted(root.glob(PARTIAL + "*")) if root.is_dir() else ():
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            gone.append(p)
+    return gone
+
+
+def damaged_checkpoints(root: Path) -> list[Path]:
+    """Checkpoints flagged CORRUPT (also those renamed aside), kept for inspection."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / CORRUPT).is_file())
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a flagged checkpoint out of the way of a new save of its step:
+    step-00000100 -> step-00000100.corrupt-20250101-120304 (kept, still flagged)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = path.with_name(f"{path.name}.corrupt-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.replace(path, target)
+    return target
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -169,6 +202,7 @@ class Checkpointer:
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
         self._pending: tuple[Any, Path, int, float, bool] | None = None
         self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
+        self.none_usable = 0  # latest_valid() found only damaged checkpoints: how many
         self.last_save_seconds = 0.0
         self.failures: list[CheckpointWriteError] = []  # failed writes not yet report()ed
         self.failed_in_a_row = 0
@@ -259,7 +293,11 @@ class Checkpointer:
             try:
                 write_manifest(partial, step)
                 final = step_dir(self.root, step)
-                if final.exists():
+                if (final / CORRUPT).exists():  # never overwritten: kept for inspection
+                    aside = set_aside(final)
+                    log.warning("checkpoint %s was flagged corrupt; moved to %s (kept for "
+                                "inspection) to save step %d", final, aside.name, step)  # fmt: skip
+                elif final.exists():
                     shutil.rmtree(final)
                 os.replace(partial, final)
             except OSError as e:
@@ -327,22 +365,36 @@ class Checkpointer:
 
     def latest_valid(self) -> Path | None:
         """Newest checkpoint whose files match their manifest; rank 0 checks, all ranks agree.
-        Bad ones are flagged CORRUPT (kept for inspection, never loaded)."""
+        Bad ones are flagged CORRUPT (kept for inspection, never loaded) and logged one line
+        each; when none is usable, say_none_usable() says so in one line instead."""
         found = None
         if self.is_main:
+            problems = []
             for path in reversed(complete_checkpoints(self.root)):
                 problem = verify(path)
                 if problem is None:
                     found = str(path)
                     break
-                log.error("skipping checkpoint %s", problem)
-                self.skipped.append(problem)
+                problems.append(problem)
                 (path / CORRUPT).write_text(problem + "\n")
+            self.skipped += problems
+            damaged = 0 if found else len(damaged_checkpoints(self.root))
+            self.none_usable = damaged
+            for problem in problems if found else ():  # else say_none_usable() has one line
+                log.error("skipping checkpoint %s", problem)
         if dist.is_initialized():
             box = [found]
             dist.broadcast_object_list(box, src=0)
             found = box[0]
         return Path(found) if found else None
+
+    def say_none_usable(self, then: str = "starting from step 0") -> None:
+        """Rank 0, after latest_valid() found checkpoints but every one damaged: one line,
+        "no usable checkpoint in RUN_DIR/checkpoints (N damaged, kept for inspection);
+        starting from step 0" (`then` says what the job does instead)."""
+        if self.is_main and self.none_usable:
+            log.error("no usable checkpoint in %s (%d damaged, kept for inspection); %s",
+                      self.root, self.none_usable, then)  # fmt: skip
 
     @staticmethod
     def step_of(path: Path) -> int:
@@ -363,7 +415,12 @@ class Checkpointer:
             raise ValueError(f"checkpoint {problem}: pick an earlier one, or 'latest' "
                              "(which skips damaged checkpoints)")  # fmt: skip
         state = self._state()
-        state["train"] = {"step": 0, "rng": torch.get_rng_state(), **train_template}
+        # Train-state keys newer than this checkpoint (e.g. lr_schedule) are skipped, not
+        # required: DCP would refuse a key the checkpoint lacks. Nested dicts flatten to "a.b".
+        saved_keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        template = {k: v for k, v in train_template.items()
+                    if any(f == f"train.{k}" or f.startswith(f"train.{k}.") for f in saved_keys)}  # fmt: skip
+        state["train"] = {"step": 0, "rng": torch.get_rng_state(), **template}
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # missing keys / shape mismatches

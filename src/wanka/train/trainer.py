@@ -470,9 +470,11 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             job.runtime.guard.load_state_dict(extra["guard"])
             apply_hyperparameters(job.optimizer, job.cfg.train)
             info.update(source="memory", step=step)
+            ckpt.say_none_usable(f"resuming from the in-memory snapshot of step {step}")
             log.info("resumed from the in-memory snapshot of step %d", step)
             return step
     if path is None:
+        ckpt.say_none_usable()  # "no usable checkpoint in ...; starting from step 0" if damaged
         info.update(source="none", step=0)
         return 0
     state = ckpt.load(path, _train_state(job))
