@@ -15,15 +15,22 @@ from wanka.resilience.chaos_cli import add_chaos_parser
 from wanka.resilience.check_cli import add_check_parser
 from wanka.resilience.nodes_cli import add_clean_parser, add_nodes_parser
 
+DESCRIPTION = """wanka trains mixture-of-experts language models with DeepSeek sparse attention
+(DSA) on PyTorch: FSDP2 x expert parallelism, torchrun launch, distributed checkpoints, a
+supervisor that recovers from crashed, hung and slow ranks. Runs on CUDA GPUs, Ascend NPUs
+and the CPU. Start with `wanka train configs/demo.toml`; bad input exits 2 with one line."""
+
 
 def _train(args: argparse.Namespace) -> int:
     from wanka.config import load_config
     from wanka.distributed.launch import inside_torchrun
 
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise ValueError(f"--nproc must be 1 or more (got {args.nproc}): the number of ranks "
                          "to start on this node")  # fmt: skip
     cfg = load_config(args.config, args.set)
+    if args.nproc is None:  # the smallest world the config's degrees fit on this node
+        args.nproc = cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else cfg.parallel.ep
     if inside_torchrun():  # a rank: the `wanka train` that launched it holds the run directory
         return _train_rank(cfg)
     from wanka.train.run_lock import job_start
@@ -55,7 +62,11 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
 
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
-    ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+    try:
+        ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+    except ValueError as e:
+        fit = cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else cfg.parallel.ep
+        raise ValueError(f"{e}; use --nproc {max(fit // nnodes, 1)} or change [parallel]") from None
     if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
         from wanka.train.trainer import check_data
 
@@ -98,7 +109,9 @@ def _train_rank(cfg) -> int:
 def _data_prepare(args: argparse.Namespace) -> int:
     from wanka.data.prepare import main_prepare
 
-    return main_prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed)
+    return main_prepare(
+        args.inputs, args.out, args.tokenizer, args.val_fraction, args.seed, args.force
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -139,17 +152,20 @@ def _bench_ops(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wanka", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from wanka import __version__
+
+    p = argparse.ArgumentParser(prog="wanka", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"wanka {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     t = sub.add_parser("train", help="train a model (N local ranks through torchrun)")
     t.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
     t.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
     )
-    t.add_argument(
-        "--nproc", type=int, default=1, help="ranks on this node (on each node with --cluster)"
-    )
+    t.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this node (on each node with --cluster); default: what "
+                        "[parallel] needs (dp_shard, or ep when dp_shard = -1)")  # fmt: skip
     t.add_argument("--cluster", action="store_true", help="span the nodes of `wanka cluster up`")
     t.add_argument("--chaos", default="", metavar="SCHEDULE",
                    help="inject faults, e.g. 'kill@step=30,rank=1;stop@step=60' (see wanka chaos)")  # fmt: skip
@@ -172,17 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     dp = d.add_parser(
         "prepare", help="text/jsonl files (or 'builtin') -> memory-mapped token shards"
     )
-    dp.add_argument("inputs", nargs="+")
-    dp.add_argument("--out", required=True)
+    dp.add_argument("inputs", nargs="+", help=".txt files (one document each), .jsonl files "
+                    '({"text": ...} per line), folders of them, or builtin')  # fmt: skip
+    dp.add_argument("--out", required=True, help="folder for the prepared dataset (data.path)")
     dp.add_argument(
         "--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)"
     )
-    dp.add_argument("--val-fraction", type=float, default=0.01)
-    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--val-fraction", type=float, default=0.01,
+                    help="share of documents held out (at least 32 kB of text is)")  # fmt: skip
+    dp.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    dp.add_argument("--force", action="store_true",
+                    help="rebuild --out when it was prepared from other inputs or options")  # fmt: skip
     dp.set_defaults(fn=_data_prepare)
 
     r = sub.add_parser("report", help="draw a run's loss curves to PNG and summarise it")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", help="a run directory (run.dir of a job)")
     r.set_defaults(fn=_report)
 
     m = sub.add_parser("model", help="parameter counts and per-device memory estimate")
@@ -199,19 +219,38 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench_cmd", required=True
     )
     bt = b.add_parser("train", help="tokens/s, step time, memory, MFU: tiny/small x 1/2 ranks")
-    bt.add_argument("--quick", action="store_true")
-    bt.add_argument("--steps", type=int, default=None)
-    bt.add_argument("--out", default="runs/bench/train.json")
+    bt.add_argument("--quick", action="store_true", help="fewer steps, smaller shapes")
+    bt.add_argument("--steps", type=int, default=None, help="steps per case (default: per flavor)")
+    bt.add_argument("--out", default="runs/bench/train.json", help="JSON result file")
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
     bo = b.add_parser("ops", help="attention operators per backend: time, memory, error, FLOP/s")
-    bo.add_argument("--quick", action="store_true")
+    bo.add_argument("--quick", action="store_true", help="short lengths only")
     bo.add_argument(
         "--budget-gib", type=float, default=12.0, help="skip cases estimated above this"
     )
-    bo.add_argument("--out", default="runs/bench/ops.json")
+    bo.add_argument("--out", default="runs/bench/ops.json", help="JSON result file")
     bo.set_defaults(fn=_bench_ops)
+    _show_defaults(p)
     return p
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless there is none worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        quiet = action.default in (None, False, [], argparse.SUPPRESS) or "%(default)" in text
+        return text if quiet or not action.option_strings else text + " (default: %(default)s)"
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's help shows each option's default."""
+    parser.formatter_class = _HelpWithDefaults
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
 
 
 def _log_to_files(msg: str, exc_info=None) -> None:
@@ -223,15 +262,26 @@ def _log_to_files(msg: str, exc_info=None) -> None:
             h.handle(record)
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None or not hasattr(args, "fn"):  # bare `wanka` or `wanka data`: help
+        target = parser if args.cmd is None else _subcommand(parser, args.cmd)
+        target.print_help()
+        return 0
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the run lock records
-    from wanka.config import ConfigError
-    from wanka.distributed.parallel_dims import ParallelError
+    from wanka.config import ConfigError  # no torch import before the input is judged
 
     try:
         return args.fn(args)
-    except (ConfigError, ParallelError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # ParallelError is a ValueError
         from wanka.resilience.heartbeat import mark_exit
 
         mark_exit(2)

@@ -77,7 +77,7 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="default: $WANKA_CLUSTER_STATE or /run/wanka-cluster")  # fmt: skip
 
     u = sub.add_parser("up", parents=[common], help="create N nodes on a shaped private network")
-    u.add_argument("--nodes", type=int, default=2)
+    u.add_argument("--nodes", type=int, default=2, help="network namespaces to create")
     u.add_argument("--link-gbit", type=float, default=1.0, help="inter-node link rate")
     u.add_argument("--intra-gbit", type=float, default=None,
                    help="shape intra-node loopback too (default: unshaped)")  # fmt: skip
@@ -88,11 +88,11 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> None:
         fn=_down
     )
     s = sub.add_parser("status", parents=[common], help="nodes, links, shaping, processes")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=_status)
 
     r = sub.add_parser("run", parents=[common], help="run a command inside a node")
-    r.add_argument("node")
+    r.add_argument("node", help="node name, e.g. n0")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     r.set_defaults(fn=_run)
     la = sub.add_parser("launch", parents=[common], help="`wanka ARGS` as one job on all nodes")
@@ -107,7 +107,7 @@ def add_cluster_parser(subparsers: argparse._SubParsersAction) -> None:
         ("restore-link", "restore", "bring a node's link back up"),
     ):
         p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("node")
+        p.add_argument("node", help="node name, e.g. n1")
         p.set_defaults(fn=_node_action, action=action)
 
 
@@ -121,10 +121,10 @@ def _bench_net(a: argparse.Namespace) -> int:
 def add_bench_net_parser(bench_subparsers: argparse._SubParsersAction) -> None:
     """`wanka bench net`: collective bandwidth/latency intra- vs inter-node (own cluster)."""
     b = bench_subparsers.add_parser("net", help="all-reduce/all-gather/all-to-all across nodes")
-    b.add_argument("--link-gbit", type=float, default=1.0)
+    b.add_argument("--link-gbit", type=float, default=1.0, help="shaped inter-node link speed")
     b.add_argument("--sizes", default=None, help="message sizes, e.g. 4K,1M,64M")
-    b.add_argument("--nodes", type=int, default=2)
+    b.add_argument("--nodes", type=int, default=2, help="nodes to benchmark across")
     b.add_argument("--nproc", type=int, default=2, help="ranks per node")
     b.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
-    b.add_argument("--out", default="runs/bench/net.json")
+    b.add_argument("--out", default="runs/bench/net.json", help="JSON result file")
     b.set_defaults(fn=_bench_net)

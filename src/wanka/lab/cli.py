@@ -141,14 +141,14 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
 
     t = sub.add_parser("tasks", help="list the tasks")
-    t.add_argument("-v", "--verbose", action="store_true")
+    t.add_argument("-v", "--verbose", action="store_true", help="shapes and variant spaces too")
     t.set_defaults(fn=_tasks)
 
     r = sub.add_parser("run", parents=[db, ev], help="propose -> evaluate -> store, in a budget")
-    r.add_argument("task")
+    r.add_argument("task", help="a task name from wanka lab tasks")
     r.add_argument("--proposer", default="search", help="search (offline) | llm")
     r.add_argument("--budget", required=True, help="evaluations (llm: chat calls)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="proposer seed")
     r.add_argument("--new", action="store_true", help="start a new run, do not resume")
     r.add_argument("--resume", type=int, default=None, metavar="RUN", help="continue this run")
     r.add_argument("--json", default=None, help="write the run summary here")
@@ -158,29 +158,35 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--llm-key", default=None, help="API key (env WANKA_LLM_API_KEY / OPENAI_API_KEY)"
     )
-    r.add_argument("--temperature", type=float, default=0.2)
+    r.add_argument(
+        "--temperature", type=float, default=0.2, help="llm proposer sampling temperature"
+    )
     r.set_defaults(fn=_run)
 
     e = sub.add_parser("eval", parents=[ev], help="evaluate one candidate file")
-    e.add_argument("task")
-    e.add_argument("file")
+    e.add_argument("task", help="a task name from wanka lab tasks")
+    e.add_argument("file", help="candidate source file")
     e.add_argument("--held-out", action="store_true", help="also run the held-out check")
-    e.add_argument("--json", dest="json_out", action="store_true")
+    e.add_argument("--json", dest="json_out", action="store_true", help="print the verdict as JSON")
     e.set_defaults(fn=_eval)
 
     p = sub.add_parser("report", parents=[db], help="leaderboard, fast_p, best-so-far PNG")
-    p.add_argument("--png", default="runs/lab/best_so_far.png")
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--png", default="runs/lab/best_so_far.png", help="where to draw the best-so-far curve"
+    )
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--tasks", nargs="+", default=None,
                    help="fast_p suite (default: every task runnable here plus those with runs)")  # fmt: skip
     p.set_defaults(fn=_report)
 
     x = sub.add_parser("export", parents=[db], help="best candidate -> op registry backend module")
-    x.add_argument("task")
+    x.add_argument("task", help="a task name from wanka lab tasks")
     x.add_argument("--name", default="lab", help="backend name (default lab)")
-    x.add_argument("--priority", type=int, default=5)
+    x.add_argument(
+        "--priority", type=int, default=5, help="registry priority of the exported backend"
+    )
     x.add_argument(
         "--candidate", type=int, default=None, help="candidate id (default: best verified)"
     )
-    x.add_argument("--out", default=None)
+    x.add_argument("--out", default=None, help="file to write (default: the op package)")
     x.set_defaults(fn=_export)

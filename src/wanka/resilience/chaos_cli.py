@@ -48,10 +48,12 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     sub = c.add_subparsers(dest="chaos_cmd", required=True)
     d = sub.add_parser("drill", help="reference, wanka and torchrun-baseline runs of one schedule")
     d.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
-    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    d.add_argument("--nproc", type=int, default=2)
+    d.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field"
+    )
+    d.add_argument("--nproc", type=int, default=2, help="ranks per run")
     d.add_argument("--schedule", default=DEFAULT_SCHEDULE,
-                   help="faults, e.g. 'kill@step=8,rank=1;stop@step=16' (see resilience/chaos.py)")  # fmt: skip
+                   help="faults, e.g. 'kill@step=8,rank=1;stop@step=16' (kinds in docs/RESILIENCE.md)")  # fmt: skip
     d.add_argument(
         "--out", default="runs/drill", help="directory for the three runs and drill.json"
     )
@@ -66,5 +68,5 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
                         "unmounted after the run, its checkpoints with it), for disk_full faults")  # fmt: skip
     d.set_defaults(fn=_drill)
     s = sub.add_parser("show", help="print the tables of a finished drill")
-    s.add_argument("--out", default="runs/drill")
+    s.add_argument("--out", default="runs/drill", help="the drill's --out folder")
     s.set_defaults(fn=_show)

@@ -18,14 +18,15 @@ def _nnodes(value: str | None) -> int:
 
 def _check(a: argparse.Namespace) -> int:
     from wanka.config import ConfigError, load_config
-    from wanka.distributed.launch import inside_torchrun
-    from wanka.resilience import preflight as pf
 
     try:
-        cfg = load_config(a.config, a.set)
+        cfg = load_config(a.config, a.set)  # before torch is imported: a typo answers at once
     except (ConfigError, ValueError) as e:
         print(f"wanka check: {e}", file=sys.stderr)
         return 2
+    from wanka.distributed.launch import inside_torchrun
+    from wanka.resilience import preflight as pf
+
     live = a.live if a.live is not None else cfg.resilience.preflight == "full"
     if inside_torchrun():  # started per node by torchrun / `wanka cluster launch -- check ...`
         return _check_as_rank(cfg, live, a.timeout)

@@ -155,11 +155,11 @@ def add_nodes_parser(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--node", default=None, help="only this node's faults")
     f.set_defaults(fn=_faults)
     c = sub.add_parser("clear", parents=[sub_common], help="put an evicted node back in service")
-    c.add_argument("node")
+    c.add_argument("node", help="node name as the ledger lists it")
     c.set_defaults(fn=_clear)
     e = sub.add_parser("evict", parents=[sub_common], help="evict a node by hand")
-    e.add_argument("node")
-    e.add_argument("--reason", required=True)
+    e.add_argument("node", help="node name as the ledger lists it")
+    e.add_argument("--reason", required=True, help="why, kept in the ledger")
     e.set_defaults(fn=_evict)
 
 
