@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -101,7 +102,8 @@ def _train_rank(cfg) -> int:
         from wanka.resilience.heartbeat import mark_exit
 
         mark_exit(EXIT_PREEMPTED)
-        print(f"wanka train: {e}; run the same command again to resume", file=sys.stderr)
+        if os.environ.get("WANKA_SUPERVISED") != "1":  # else the supervisor says it, once
+            print(f"wanka train: {e}; run the same command again to resume", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
 
@@ -270,6 +272,9 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def main(argv: list[str] | None = None) -> int:
+    # c10d's C++ warnings (hostname look-ups, "No backend of type 0 found" at shutdown) are
+    # noise in normal output; set before torch is imported, inherited by every rank.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None or not hasattr(args, "fn"):  # bare `wanka` or `wanka data`: help

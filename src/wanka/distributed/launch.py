@@ -58,10 +58,20 @@ def launch(nproc: int, rdzv: dict[str, str | int | None], worker_args: list[str]
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    quiet_launcher_logs()
     try:
         run(parse_args(torchrun_args(nproc, rdzv, worker_args)))
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c > 0), 1)
     return 0
+
+
+def quiet_launcher_logs() -> None:
+    """torchrun's and the elastic agent's notices (the OMP_NUM_THREADS banner, "Received 15
+    death signal") are not the user's business: wanka reports faults in its own one line.
+    Their loggers set their own levels, so each existing one is lowered, not just the parent."""
+    prefixes = ("torch.distributed.elastic", "torch.distributed.run", "torch.multiprocessing")
+    for name in [*logging.root.manager.loggerDict, *prefixes]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)

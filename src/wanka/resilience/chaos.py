@@ -163,6 +163,12 @@ class ChaosDriver:
             if fid not in self.fired:
                 self.fired[fid] = p.stat().st_mtime
 
+    def injected_inside(self, kind: str, rank: int) -> bool:
+        """A fault of `kind` fired inside rank `rank` (its mark file exists): e.g. a straggler
+        the drill made, which says nothing about the node."""
+        self._collect_inside_marks()
+        return any(f.kind == kind and f.rank == rank and f.id in self.fired for f in self.faults)
+
     def fault_time(self, rank: int | None) -> float | None:
         return self.fired_rank.get(rank) if rank is not None else None
 

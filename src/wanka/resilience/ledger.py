@@ -110,6 +110,9 @@ class FaultLedger:
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     db.execute(stmt)
+            columns = {row[1] for row in db.execute("PRAGMA table_info(faults)")}
+            if "injected" not in columns:  # a ledger from before injected faults were marked
+                db.execute("ALTER TABLE faults ADD COLUMN injected INTEGER NOT NULL DEFAULT 0")
 
     @contextmanager
     def _db(self, write: bool = False, wal: bool = False) -> Iterator[sqlite3.Connection]:
@@ -154,9 +157,12 @@ class FaultLedger:
         step: int | None = None,
         detail: str = "",
         time: float | None = None,
+        injected: bool = False,
     ) -> Fault:
         """Append one fault; time defaults to now. Unknown causes are rejected because the
-        same-cause rule matches on the exact string: a typo would silently never evict."""
+        same-cause rule matches on the exact string: a typo would silently never evict.
+        Injected faults (chaos drills) are kept for the record but never count toward
+        eviction; neither do user errors."""
         if cause not in ALL_CAUSES:
             raise ValueError(
                 f"unknown fault cause {cause!r}: one of {', '.join(sorted(ALL_CAUSES))}"
@@ -164,9 +170,9 @@ class FaultLedger:
         t = _time.time() if time is None else float(time)
         with self._db(write=True) as db:
             cur = db.execute(
-                "INSERT INTO faults (time, job, node, rank, cause, step, detail) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (t, job, node, rank, cause, step, detail),
+                "INSERT INTO faults (time, job, node, rank, cause, step, detail, injected) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (t, job, node, rank, cause, step, detail, int(injected)),
             )
             fid = int(cur.lastrowid or 0)
         return Fault(fid, t, job, node, rank, cause, step, detail)
@@ -191,7 +197,7 @@ class FaultLedger:
         cleared_id = row[0] if row else 0
         rows = db.execute(
             "SELECT cause FROM faults WHERE node = ? AND id > ? AND time > ? AND time <= ? "
-            "ORDER BY time, id",
+            "AND injected = 0 AND cause != 'user_error' ORDER BY time, id",
             (node, cleared_id, since, now),
         ).fetchall()
         return [r[0] for r in rows]

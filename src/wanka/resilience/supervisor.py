@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from wanka.config import JobConfig
+from wanka.resilience import rank_logs
 from wanka.resilience.chaos import ChaosDriver, Fault
 from wanka.resilience.goodput import TimelineWriter
 from wanka.resilience.heartbeat import exit_code, node_of, read_all
@@ -52,6 +53,7 @@ class Outcome:
     node: str | None = None  # where it happened, when known
     confirmed: bool = False  # preempted: every rank wrote its part of the last-gasp checkpoint
     exits: dict[int, int] = field(default_factory=dict)  # global rank -> exit code (the agent's)
+    error: str | None = None  # the failed rank's last exception line, from its log
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -140,8 +142,9 @@ class Supervisor:
     def _launch_config(self):
         from torch.distributed.run import config_from_args, parse_args
 
-        from wanka.distributed.launch import torchrun_args
+        from wanka.distributed.launch import quiet_launcher_logs, torchrun_args
 
+        quiet_launcher_logs()  # config_from_args prints torchrun's OMP_NUM_THREADS banner
         config, _, _ = config_from_args(parse_args(torchrun_args(self.nproc, self.rdzv, ["x"])))
         # Fork is the point (no interpreter start, no re-import) but CUDA/NPU state does not
         # survive a fork: accelerator jobs spawn.
@@ -159,8 +162,9 @@ class Supervisor:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import elastic_launch
 
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)  # we report faults in one line
+        from wanka.distributed.launch import quiet_launcher_logs
+
+        quiet_launcher_logs()  # we report faults in one line
 
         hb_dir = self.dir / "hb"
         for old in hb_dir.glob("rank*.*") if hb_dir.is_dir() else ():
@@ -170,6 +174,7 @@ class Supervisor:
                "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
                "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
         out = Outcome("success")
+        self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(hb_dir, attempt, out, stop),
                                    name="wanka-monitor", daemon=True)  # fmt: skip
@@ -205,6 +210,8 @@ class Supervisor:
             _blame(out, hb_dir, attempt)
         if out.node is None and out.rank is not None:
             out.node = node_of(hb_dir, out.rank)
+        if out.cause in ("process_crash", "startup_failure") and out.rank is not None:
+            out.error = rank_logs.last_exception(self.run_dir, out.rank, self._log_marks)
         return out
 
     def _catch_stop_requests(self) -> None:
@@ -370,6 +377,13 @@ class Supervisor:
                       "command again to resume", file=sys.stderr)  # fmt: skip
                 rc = EXIT_PREEMPTED
                 break
+            if self._repeated(out):
+                log_file = rank_logs.log_path(self.run_dir, out.rank)
+                print(f"wanka train: rank {out.rank} failed twice at step {out.max_step + 1} with "
+                      f"{out.error}: not a transient fault, so no more restarts; fix it and run "
+                      f"the same command to resume (log {log_file})", file=sys.stderr)  # fmt: skip
+                rc = EXIT_USER_ERROR
+                break
             self._record_fault(out, attempt)
             failures += 1
             stalled = stalled + 1 if out.max_step <= last_max else 0
@@ -384,7 +398,12 @@ class Supervisor:
                 break
             delay = 0.0 if stalled == 0 else min(self.rc.backoff_s * 2 ** (stalled - 1),
                                                  self.rc.backoff_max_s)  # fmt: skip
-            print(f"wanka train: {out.cause} ({out.detail}); restart {failures} in {delay:.1f} s",
+            why = (
+                f": {out.error} (see {rank_logs.log_path(self.run_dir, out.rank)})"
+                if out.error
+                else ""
+            )
+            print(f"wanka train: {out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)
             if self.rc.preflight != "off" and self._preflight(live=False):
@@ -397,19 +416,29 @@ class Supervisor:
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
         return rc
 
+    def _repeated(self, out: Outcome) -> bool:
+        """The same exception at the same step as the attempt before: deterministic (a bug or
+        bad input), which a restart cannot fix. Injected faults leave no exception."""
+        if not out.error or len(self.outcomes) < 2:
+            return False
+        prev = self.outcomes[-2]
+        return (prev.error, prev.max_step, prev.rank) == (out.error, out.max_step, out.rank)
+
     def _record_fault(self, out: Outcome, attempt: int) -> None:
         t1 = out.t_detect or time.time()
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
                             node=out.node or self.node, detail=out.detail,
                             injected=self.chaos.fault_time(out.rank) is not None)  # fmt: skip
         node = out.node or self.node
-        self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail)
+        injected = self.chaos.fault_time(out.rank) is not None
+        self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail,
+                           injected=injected)  # fmt: skip
         reason = self.ledger.evaluate(node, self.policy)
         if not reason:
             return
         left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
         if left and not self._fits(len(left)):
-            print(f"wanka train: node {node} meets the eviction policy ({reason[:80]}) but "
+            print(f"wanka train: node {node} meets the eviction policy ({reason}) but "
                   f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
                   f"x ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
@@ -420,15 +449,16 @@ class Supervisor:
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
         elif node not in self._warned:
             self._warned.add(node)
-            print(f"wanka train: node {node} meets the eviction policy ({reason[:80]}) but no other "
+            print(f"wanka train: node {node} meets the eviction policy ({reason}) but no other "
                   "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
 
     def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
         node = node or self.node
         detail = f"rank {rank} spent {now - beat.since:.2f} s loading data for step {beat.step}"
+        injected = self.chaos.injected_inside("slow", rank)
         self.timeline.event("fault", beat.since, now, cause="slow", rank=rank, node=node,
-                            detail=detail, injected=False)  # fmt: skip
-        self.ledger.record(self.job, node, rank, "slow", beat.step, detail)
+                            detail=detail, injected=injected)  # fmt: skip
+        self.ledger.record(self.job, node, rank, "slow", beat.step, detail, injected=injected)
         print(f"wanka train: straggler: {detail} (node {node}); recorded in the fault ledger",
               file=sys.stderr, flush=True)  # fmt: skip
 

@@ -160,7 +160,9 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     fh.setFormatter(logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
     root.addHandler(fh)
     if rank == 0:
-        root.addHandler(logging.StreamHandler())
+        console = logging.StreamHandler()
+        console.addFilter(lambda record: getattr(record, "console", True))  # file-only records
+        root.addHandler(console)
     root.propagate = False
 
 
@@ -414,7 +416,12 @@ def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
             snapshots.wait()
         ckpt.async_save = False
         ckpt.save(step, _train_state(job))  # must succeed: else exit 2 with the reason
-    log.info("stopped on request at step %d; checkpoint %s written", step, ckpt.latest())
+    log.info(
+        "stopped on request at step %d; checkpoint %s written",
+        step,
+        ckpt.latest(),
+        extra={"console": False},
+    )  # the launcher's one line says it on the console
     dist.barrier()
     dist.destroy_process_group()
     raise Preempted(f"stopped on request at step {step}")
