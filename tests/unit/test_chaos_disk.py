@@ -70,7 +70,7 @@ def ballasts(root: Path) -> list[Path]:
 
 def test_disk_full_schedule():
     a, b = parse_schedule("disk_full@step=5,for=2.5,keep_mb=3; disk_full@t=1.5,steps=4")
-    assert (a.kind, a.step, a.params) == ("disk_full", 5, {"for": 2.5, "keep_mb": 3})
+    assert (a.kind, a.step, a.params) == ("disk_full", 4, {"for": 2.5, "keep_mb": 3})  # 0-based
     assert (b.t, b.params) == (1.5, {"steps": 4})
     assert a.rank is None  # the disk is shared by every rank
     assert parse_schedule(a.spec())[0].params == a.params  # the spec reads back the same
@@ -133,7 +133,7 @@ def test_driver_fills_then_releases_after_for_seconds(tmp_path, capsys):
     with small_filesystem(run / "checkpoints", 16) as ckpts:
         (ckpts / f"{BALLAST}-9").write_bytes(b"x")  # left by a supervisor killed mid-drill
         tl = Timeline()
-        driver = ChaosDriver(parse_schedule("disk_full@step=2,for=0.4,keep_mb=2"), run, "job",
+        driver = ChaosDriver(parse_schedule("disk_full@step=3,for=0.4,keep_mb=2"), run, "job",
                              str(tmp_path / "shm"), tl)  # fmt: skip
         assert ballasts(ckpts) == []  # swept at start
         driver.poll(beats(1), time.time(), 1)
@@ -147,7 +147,7 @@ def test_driver_fills_then_releases_after_for_seconds(tmp_path, capsys):
                 f.write(bytes(4 * MIB))
         (ckpts / "more").unlink()
         [ev] = tl.events
-        assert ev["kind"] == "chaos" and ev["fault"].startswith("disk_full@step=2")
+        assert ev["kind"] == "chaos" and ev["fault"].startswith("disk_full@step=3")
         assert (run / "resilience" / "chaos" / "0.fired").is_file()
         driver.poll(beats(3), t_fill + 0.2, 1)
         assert ballasts(ckpts)  # still full within for=
@@ -159,7 +159,7 @@ def test_driver_fills_then_releases_after_for_seconds(tmp_path, capsys):
         driver.poll(beats(9), time.time() + 60, 1)
         assert ballasts(ckpts) == [] and len(tl.events) == 2  # fires once, released once
         # A resubmitted job (new supervisor, same run) does not fill again.
-        again = ChaosDriver(parse_schedule("disk_full@step=2,for=0.4,keep_mb=2"), run, "job",
+        again = ChaosDriver(parse_schedule("disk_full@step=3,for=0.4,keep_mb=2"), run, "job",
                             str(tmp_path / "shm"), Timeline())  # fmt: skip
         again.poll(beats(5), time.time(), 2)
         assert ballasts(ckpts) == []
@@ -170,7 +170,7 @@ def test_driver_fills_then_releases_after_for_seconds(tmp_path, capsys):
 def test_driver_releases_after_steps_and_on_close(tmp_path):
     run = tmp_path / "run"
     with small_filesystem(run / "checkpoints", 16) as ckpts:
-        driver = ChaosDriver(parse_schedule("disk_full@step=2,steps=3;disk_full@step=4"), run,
+        driver = ChaosDriver(parse_schedule("disk_full@step=3,steps=3;disk_full@step=5"), run,
                              "job", str(tmp_path / "shm"), Timeline())  # fmt: skip
         driver.poll(beats(3), time.time(), 1)  # seen late: still counted from step 2
         assert len(ballasts(ckpts)) == 1 and shutil.disk_usage(ckpts).free < MIB

@@ -71,17 +71,21 @@ def test_hang_culprit_is_the_stopped_rank(tmp_path):
 
 def test_chaos_schedule_parsing_and_errors(tmp_path):
     fs = parse_schedule("kill@step=3,rank=1; stop@t=2.5 ;slow@step=4,rank=0,ms=50,steps=2")
-    assert [(f.kind, f.step, f.t, f.rank) for f in fs] == [("kill", 3, None, 1),
-                                                            ("stop", None, 2.5, 0), ("slow", 4, None, 0)]  # fmt: skip
+    # Schedules name steps 1-based, like the progress bar; Fault.step is the 0-based index.
+    assert [(f.kind, f.step, f.t, f.rank) for f in fs] == [("kill", 2, None, 1),
+                                                            ("stop", None, 2.5, 0), ("slow", 3, None, 0)]  # fmt: skip
+    assert fs[0].spec() == "kill@step=3,rank=1"  # round trip
     assert fs[2].params == {"ms": 50, "steps": 2}
     for bad, msg in [("explode@step=1", "unknown kind"), ("kill@rank=1", "say when"),
                      ("kill@step=x", "key=number")]:  # fmt: skip
         with pytest.raises(ValueError, match=msg):
             parse_schedule(bad)
     w = WorkerChaos("nan@step=2,rank=1,id=0;slow@step=4,rank=1,ms=50,steps=2,id=1", 1, tmp_path)
-    assert not w.nan_now(1) and w.nan_now(2) and not w.nan_now(2)  # fires once
+    assert not w.nan_now(0) and w.nan_now(1) and not w.nan_now(1)  # during step 2; once
     assert (tmp_path / "0.fired").exists()
-    assert [w.delay(s) for s in (3, 4, 5, 6)] == [0.0, 0.05, 0.05, 0.0]
+    assert [w.delay(s) for s in (2, 3, 4, 5)] == [0.0, 0.05, 0.05, 0.0]
+    with pytest.raises(ValueError, match="steps count from 1"):
+        parse_schedule("kill@step=0")
 
 
 def _fake_checkpoint(root, step, payload=b"x" * 4000):
@@ -184,7 +188,7 @@ def test_agent_seen_crash_still_names_the_rank_that_died(tmp_path):
         Reporter(hb, rank, 2).enter("forward" if rank == 1 else "sync", 3)
     out = Outcome("process_crash", exits={0: -15, 1: -9})
     _blame(out, hb, attempt=2)
-    assert out.rank == 1 and out.detail == "rank 1 died in forward of step 3"
+    assert out.rank == 1 and out.detail == "rank 1 died in forward of step 4"  # 1-based
     stale = Outcome("process_crash", exits={0: -15, 1: -9})
     _blame(stale, hb, attempt=3)  # heartbeats of an older attempt say nothing about this one
     assert stale.rank == 1 and stale.detail == "rank 1 died (exit code -9)"

@@ -62,7 +62,10 @@ class Fault:
     id: int = 0
 
     def spec(self) -> str:
-        keys = {"step": self.step, "t": self.t, "rank": self.rank, **self.params}
+        # `step` is the 0-based index of the step in progress (what heartbeats carry); the text
+        # names steps 1-based, as the progress bar and the supervisor's messages do.
+        step = None if self.step is None else self.step + 1
+        keys = {"step": step, "t": self.t, "rank": self.rank, **self.params}
         # for=600 reads back as written, not as 600.0
         keys = {
             k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in keys.items()
@@ -89,7 +92,12 @@ def parse_schedule(text: str) -> list[Fault]:
                 raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number") from None
             if not eq:
                 raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number")
-            if k in ("step", "t", "rank"):
+            if k == "step":
+                if val < 1:
+                    raise ValueError(f"chaos fault {item!r}: steps count from 1 (step=1 is the "
+                                     "first step)")  # fmt: skip
+                f.step = val - 1  # "during step N" (1-based) = while N - 1 steps are done
+            elif k in ("t", "rank"):
                 setattr(f, k, val)
             else:
                 f.params[k] = val

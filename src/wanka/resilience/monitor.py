@@ -78,7 +78,7 @@ class Hang:
     def describe(self) -> str:
         how = "stopped (SIGSTOP)" if self.state in ("T", "t") else f"state {self.state}"
         return (f"rank {self.rank} made no progress for {self.stalled_s:.1f} s in {self.phase} of "
-                f"step {self.step} (limit {self.limit_s:.1f} s), process {how}")  # fmt: skip
+                f"step {self.step + 1} (limit {self.limit_s:.1f} s), process {how}")  # fmt: skip
 
 
 class HangMonitor:

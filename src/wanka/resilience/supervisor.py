@@ -65,7 +65,7 @@ def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
     out.rank = culprits[0]
     beat = read_all(hb_dir).get(out.rank)
     if beat is not None and beat.attempt == attempt:
-        out.detail = f"rank {out.rank} died in {beat.phase} of step {beat.step}"
+        out.detail = f"rank {out.rank} died in {beat.phase} of step {beat.step + 1}"
     else:
         out.detail = f"rank {out.rank} died (exit code {out.exits[out.rank]})"
 
@@ -314,7 +314,7 @@ class Supervisor:
             # usually died of losing it, in a collective.
             b = min(dead, key=lambda b: (exit_code(hb_dir, b.rank) is not None, b.rank))
             out.cause, out.rank = "process_crash", b.rank
-            out.detail = f"rank {b.rank} died in {b.phase} of step {b.step}"
+            out.detail = f"rank {b.rank} died in {b.phase} of step {b.step + 1}"
             if b.step < 0:
                 out.cause = "startup_failure"
                 out.detail = f"rank {b.rank} died while starting ({b.phase})"
@@ -454,7 +454,7 @@ class Supervisor:
 
     def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
         node = node or self.node
-        detail = f"rank {rank} spent {now - beat.since:.2f} s loading data for step {beat.step}"
+        detail = f"rank {rank} spent {now - beat.since:.2f} s loading data for step {beat.step + 1}"
         injected = self.chaos.injected_inside("slow", rank)
         self.timeline.event("fault", beat.since, now, cause="slow", rank=rank, node=node,
                             detail=detail, injected=injected)  # fmt: skip
