@@ -12,6 +12,7 @@ from pathlib import Path
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
 from wanka.lab.cli import add_lab_parser
+from wanka.models.model_cli import add_model_args
 from wanka.resilience.chaos_cli import add_chaos_parser
 from wanka.resilience.check_cli import add_check_parser
 from wanka.resilience.nodes_cli import add_clean_parser, add_nodes_parser
@@ -122,29 +123,22 @@ def _report(args: argparse.Namespace) -> int:
     return report_main(args.run_dir)
 
 
-def _model(args: argparse.Namespace) -> int:
-    from wanka.config import load_config
-    from wanka.models.stats import count_params, memory_estimate
-
-    overrides = list(args.set)
-    if args.flavor:
-        overrides.insert(0, f'model.flavor="{args.flavor}"')
-    cfg = load_config(args.config, overrides)
-    c = count_params(cfg.model)
-    print(f"flavor {cfg.model.flavor}: total {c.total / 1e9:.3f}B params, active {c.active / 1e9:.3f}B "
-          f"per token, routed experts {c.experts / 1e9:.3f}B")  # fmt: skip
-    mem = memory_estimate(cfg.model, args.dp, args.ep, args.seq_len, args.micro_batch)
-    print(f"per-device memory estimate (dp_shard={args.dp}, ep={args.ep}, seq_len={args.seq_len}, "
-          f"micro_batch={args.micro_batch}, full activation checkpointing, bf16):")  # fmt: skip
-    for k, v in mem.items():
-        print(f"  {k:22s} {v:8.2f} GiB")
-    return 0
-
-
 def _bench(args: argparse.Namespace) -> int:
     from wanka.bench.train import bench_train_main
 
     return bench_train_main(quick=args.quick, out=Path(args.out), steps=args.steps)
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    from wanka.bench.memory import bench_memory_main
+
+    return bench_memory_main(Path(args.out), args.quick, tuple(args.ac.split(",")))
+
+
+def _bench_moe(args: argparse.Namespace) -> int:
+    from wanka.bench.moe import bench_moe_main
+
+    return bench_moe_main(Path(args.out), args.quick)
 
 
 def _bench_ops(args: argparse.Namespace) -> int:
@@ -208,14 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=_report)
 
     m = sub.add_parser("model", help="parameter counts and per-device memory estimate")
-    m.add_argument("flavor", nargs="?", help="tiny | small | x25-293b")
-    m.add_argument("--config", default=None)
-    m.add_argument("--set", action="append", default=[])
-    m.add_argument("--dp", type=int, default=1)
-    m.add_argument("--ep", type=int, default=1)
-    m.add_argument("--seq-len", type=int, default=4096)
-    m.add_argument("--micro-batch", type=int, default=1)
-    m.set_defaults(fn=_model)
+    add_model_args(m)  # sets fn=model_main
 
     b = sub.add_parser("bench", help="benchmarks writing JSON").add_subparsers(
         dest="bench_cmd", required=True
@@ -226,6 +213,19 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--out", default="runs/bench/train.json", help="JSON result file")
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
+    bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")
+    bm.add_argument("--quick", action="store_true", help="tiny only, fewer cases")
+    bm.add_argument(
+        "--ac",
+        default="off",
+        help="activation checkpointing modes, comma-separated: off,full,selective",
+    )
+    bm.add_argument("--out", default="runs/bench/memory.json", help="JSON result file")
+    bm.set_defaults(fn=_bench_memory)
+    bmo = b.add_parser("moe", help="MoE layer fwd+bwd: grouped experts vs the per-expert loop")
+    bmo.add_argument("--quick", action="store_true", help="smaller dims")
+    bmo.add_argument("--out", default="runs/bench/moe.json", help="JSON result file")
+    bmo.set_defaults(fn=_bench_moe)
     bo = b.add_parser("ops", help="attention operators per backend: time, memory, error, FLOP/s")
     bo.add_argument("--quick", action="store_true", help="short lengths only")
     bo.add_argument(

@@ -117,7 +117,7 @@ def test_data_prepare_and_train_on_it(tmp_path):
 
 
 def test_model_info_for_production_flavor():
-    r = wanka("model", "x25-293b", "--dp", "1024", "--ep", "64", "--seq-len", "8192")
+    r = wanka("model", "x25-293b", "--dp", "1024", "--ep", "32", "--seq-len", "8192")
     assert r.returncode == 0, r.stderr
     assert "total 292." in r.stdout and "active" in r.stdout and "GiB" in r.stdout
 

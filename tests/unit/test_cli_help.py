@@ -49,3 +49,12 @@ def test_version_and_bare_command(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "usage: wanka" in out and "mixture-of-experts" in out and "train" in out
+
+
+def test_the_cli_answers_bad_input_before_importing_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, wanka.cli; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr

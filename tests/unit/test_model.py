@@ -251,14 +251,13 @@ def test_flavors_build_on_meta_and_report_sizes():
     assert 285e9 < c.total < 300e9 and 25e9 < c.active < 35e9
     small = count_params(FLAVORS["small"])
     assert 80e6 < small.total < 130e6
-    mem = memory_estimate(
-        FLAVORS["x25-293b"], dp_shard=1024, ep=64, seq_len=8192, micro_batch_size=1
-    )
-    assert 0 < mem["params_and_optimizer"] < 16 and mem["total"] == pytest.approx(
+    # Experts shard over ep, then dp/ep; FSDP2 pads a dim smaller than the shard count, so
+    # halving shows from dp 80 to 160 (4 experts per ep rank, 2 then 4 dp/ep shards).
+    mem = memory_estimate(FLAVORS["x25-293b"], dp_shard=80, ep=40, seq_len=8192, micro_batch_size=1)
+    assert 0 < mem["params_and_optimizer"] < 48 and mem["total"] == pytest.approx(
         sum(v for k, v in mem.items() if k != "total")
     )
-    # sharding over twice the ranks halves the optimizer state
     mem2 = memory_estimate(
-        FLAVORS["x25-293b"], dp_shard=2048, ep=64, seq_len=8192, micro_batch_size=1
+        FLAVORS["x25-293b"], dp_shard=160, ep=40, seq_len=8192, micro_batch_size=1
     )
-    assert mem2["params_and_optimizer"] == pytest.approx(mem["params_and_optimizer"] / 2)
+    assert mem2["params_and_optimizer"] == pytest.approx(mem["params_and_optimizer"] / 2, rel=0.01)

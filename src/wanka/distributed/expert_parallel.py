@@ -1,5 +1,8 @@
 """Expert parallelism: experts split over the `ep` mesh axis, tokens moved by all-to-all.
 
+The split sizes of the token all-to-all are the only per-layer values read on the host here
+(`.tolist()` of the per-rank sums); the per-local-expert counts stay a device tensor.
+
 Each collective is an autograd.Function paired with its backward dual (nanotron-style): the
 backward of an all-to-all is the all-to-all with the split sizes swapped.
 """
@@ -54,9 +57,11 @@ class AllToAllDispatcher:
         received = all_to_all(tokens, recv, send, self.group)
         # Received rows are grouped by source rank, then expert: regroup by local expert.
         src_expert = torch.arange(per_rank, device=x.device).repeat(self.ep)
-        row_expert = torch.repeat_interleave(src_expert, counts_recv.reshape(-1))
+        row_expert = torch.repeat_interleave(
+            src_expert, counts_recv.reshape(-1), output_size=sum(recv)
+        )
         regroup = torch.argsort(row_expert, stable=True)
-        local_counts = counts_recv.sum(0).tolist()
+        local_counts = counts_recv.sum(0)  # stays on the device for the grouped experts
         return received.index_select(0, regroup), local_counts, (order, send, recv, regroup)
 
     def combine(self, y, ctx, weights):

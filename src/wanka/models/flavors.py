@@ -19,5 +19,9 @@ FLAVORS: dict[str, ModelConfig] = {
         index_topk=2048, index_share_every=4, n_dense_layers=3, dense_hidden=16384,
         n_experts=160, n_active_experts=10, expert_hidden=2112, n_shared_experts=2,
         mtp_depth=1, max_seq_len=131072,
+        # DeepSeek-V3's routing and balancing: node-limited routing (8 groups of 20 experts,
+        # e.g. one per node under ep, each token uses at most 4 of them) and the sequence-wise
+        # auxiliary balance loss with its alpha = 1e-4, beside the aux-loss-free bias.
+        n_expert_groups=8, n_limited_groups=4, seq_balance_loss_weight=1e-4,
     ),
 }  # fmt: skip

@@ -1,8 +1,44 @@
-"""Parameter counts and a per-device memory estimate for a parallel layout (no allocation)."""
+"""Parameter counts and the per-device memory estimate of a training job (no allocation).
+
+The estimate follows what the trainer allocates, term by term, from the code (nothing is
+fitted to measurements):
+
+- sharded state (FSDP2, `distributed/parallelize.py`): fp32 master parameters, fp32 gradients
+  and the two fp32 AdamW moments, each parameter sharded on dim 0 over `dp` (experts: over `ep`,
+  then over dp/ep; FSDP2 pads dim 0 to a multiple of the shard count, which is modelled);
+  replicated buffers (rope tables);
+- gathered compute copies (compute dtype): the root module (embedding, head, final norm, MTP
+  projections) stays gathered from the first forward to the end of backward; a block is gathered
+  for its forward and again for its backward, with the next block prefetched in backward; with
+  more than one shard the all-gather output buffer exists beside the copies while they are made;
+- unsharded gradients of the block in backward (compute dtype) and the reduce-scatter input
+  (reduce dtype) they are copied into;
+- activations: what autograd saves for backward in each block, derived op by op from
+  models/attention.py, models/moe.py, models/layers.py and the op backends (see `_block_saved`);
+  with activation checkpointing, what the checkpoint keeps plus one block recomputed in backward;
+- the DSA top-k indices (int64) the lightning indexer keeps for backward and hands to the next
+  layers;
+- logits: the fp32 log-probabilities cross-entropy saves (main head and each MTP depth), and
+  the gradient buffers of the first cross-entropy backward;
+- workspace: the largest transient of the op in flight at that moment (the chunked CPU ops'
+  tiles, MoE dispatch/combine copies, activation gradients in backward, the optimizer step).
+
+bf16 means FSDP2 mixed precision as distributed/parallelize.py applies it (bf16 parameters
+gathered, compute in bf16 without autocast; RMSNorm statistics, RoPE, router scores, softmaxes
+and losses in fp32, as the model code does). The fp32 path is validated against measured CPU
+runs (bench/memory.py); the bf16 terms follow the same code but have not been measured.
+
+Memory is not a sum of everything: the trainer's peak is a moment. The model walks the step
+(forward block by block, loss, backward block by block in reverse, optimizer step, eval) and the
+model's initialisation (the whole model is materialised in fp32 on every rank before sharding),
+and reports the components at the largest moment. Process overhead (the interpreter, torch's
+libraries, the CUDA context, the process group) is not the model's and not included.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -10,6 +46,24 @@ from wanka.config.schema import ModelConfig
 from wanka.models.transformer import Transformer
 
 GIB = 1024**3
+MIB = 1024**2
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+AC_MODES = ("off", "full", "selective")
+PHASES = ("sparse", "dense_warmup")
+# Element budgets of the chunked ops' per-chunk tiles (kept in step with the op modules).
+_OPS_CHUNK_ELEMS = 1 << 24  # lightning_indexer/cpu.py, dense_attention/probs_chunked.py
+_SPARSE_GATHER_BUDGET = 1 << 22  # sparse_attention/cpu.py
+COMPONENTS = (
+    "master_params",  # fp32 sharded parameters + replicated buffers
+    "adam_moments",  # fp32 exp_avg + exp_avg_sq, sharded like the parameters
+    "grads",  # fp32 sharded gradients accumulated so far
+    "gathered_params",  # unsharded compute-dtype copies in flight (+ all-gather buffers)
+    "unsharded_grads",  # compute-dtype grads of the block in backward (+ reduce-scatter input)
+    "activations",  # tensors saved for backward (top-k indices and logits apart)
+    "topk_indices",  # int64 DSA indices [tokens, index_topk] per indexer layer
+    "logits",  # fp32 log-probabilities saved by cross-entropy (+ their gradients)
+    "workspace",  # transient tiles / copies / activation gradients of the op in flight
+)
 
 
 @dataclass
@@ -32,45 +86,472 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(total, active, experts, model.tok_embeddings.weight.numel())
 
 
+@dataclass(frozen=True)
+class MemorySettings:
+    """Everything besides the model that decides a rank's memory."""
+
+    dp_shard: int = 1
+    ep: int = 1
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    compute_dtype: str = "bf16"  # gathered params and activations ("fp32" on CPU by default)
+    reduce_dtype: str = "fp32"  # gradient reduce-scatter
+    master_dtype: str = "fp32"  # sharded params, grads, AdamW moments
+    activation_checkpointing: str = "off"
+    device_type: str = "cuda"
+    phase: str = "sparse"
+
+    def __post_init__(self) -> None:
+        for name in ("compute_dtype", "reduce_dtype", "master_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {AC_MODES}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}")
+        if self.dp_shard < 1 or self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard}")
+
+    def describe(self) -> str:
+        return (f"dp_shard={self.dp_shard} x ep={self.ep}, seq_len={self.seq_len}, "
+                f"micro_batch={self.micro_batch_size}, {self.master_dtype} master params/grads/"
+                f"AdamW, {self.compute_dtype} compute copies and activations, "
+                f"{self.reduce_dtype} grad reduce, activation checkpointing "
+                f"{self.activation_checkpointing}, {self.device_type}, {self.phase} phase")  # fmt: skip
+
+
+@dataclass
+class MemoryEstimate:
+    settings: MemorySettings
+    components: dict[str, float]  # bytes per component at the peak moment
+    peak_at: str  # which moment of the step
+    train_peak: float  # bytes: the largest moment of the training step
+    init_peak: float  # bytes: model initialisation (full fp32 model before sharding)
+    moments: dict[str, dict[str, float]] = field(default_factory=dict)  # components per moment
+    notes: list[str] = field(default_factory=list)
+    saved_by_part: dict[str, float] = field(default_factory=dict)  # all blocks, AC off
+
+    def total_at(self, moment: str) -> float:
+        return sum(self.moments[moment].values())
+
+    @property
+    def peak(self) -> float:
+        return max(self.train_peak, self.init_peak)
+
+    def gib(self) -> dict[str, float]:
+        out = {k: v / GIB for k, v in self.components.items()}
+        out["total"] = self.train_peak / GIB
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters, grouped the way parallelize() groups them into FSDP units.
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit: `shapes` sharded over the dp mesh; `expert_shapes` (EP only) over ep,
+    then dp/ep. `attn` / `ffn` split the block's params by where their grads appear."""
+
+    name: str
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    expert_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    ffn_numel: int = 0  # numel of the unit's FFN / MoE params (experts included)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _shard_numel(shape: tuple[int, ...], n: int) -> int:
+    """FSDP2's local shard of one parameter: dim 0 padded to a multiple of n."""
+    if not shape:
+        return 1
+    return -(-shape[0] // n) * _numel(shape[1:])
+
+
+def _units(cfg: ModelConfig, ep: int) -> tuple[_Unit, list[_Unit], int, int]:
+    """(root, blocks in forward order: layers then MTP blocks, buffer bytes, largest param)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    root = _Unit("root")
+    blocks = {f"layers.{i}.": _Unit(f"layer {i}") for i in range(cfg.n_layers)}
+    blocks.update({f"mtp.{d}.block.": _Unit(f"mtp {d + 1}") for d in range(cfg.mtp_depth)})
+    largest = 0
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        largest = max(largest, p.numel())
+        prefix = next((k for k in blocks if name.startswith(k)), None)
+        if prefix is None:
+            root.shapes.append(shape)
+            continue
+        unit = blocks[prefix]
+        if ".moe." in name or ".ffn." in name:
+            unit.ffn_numel += p.numel()
+        if ".experts." in name and ep > 1:
+            unit.expert_shapes.append(shape)
+        else:
+            unit.shapes.append(shape)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return root, list(blocks.values()), buffers, largest
+
+
+def _sharded(u: _Unit, dp: int, ep: int) -> int:
+    n = sum(_shard_numel(s, dp) for s in u.shapes)
+    for s in u.expert_shapes:  # Shard(0) over ep (ep divides n_experts), then FSDP over dp/ep
+        n += _shard_numel((s[0] // ep, *s[1:]), dp // ep)
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: bytes autograd saves for backward, op by op.
+
+
+def _norm_saved(T: int, D: int, c: int) -> float:
+    """RMSNorm (layers.py) on a [T, D] input whose output feeds linears (output saved).
+    fp32: pow/mul save the input (counted as residual by the caller), y and rsqrt; the weight
+    mul saves y; the next linear saves the output. bf16: x.float() is an fp32 copy (saved),
+    y.to(bf16) is saved by the weight mul, the output by the linear; the input is not saved."""
+    return T * D * (2 * c + (4 if c != 4 else 0)) + T * 4
+
+
+def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe: bool) -> dict:
+    """Bytes saved for backward by one Block.forward (models/transformer.py), by part.
+
+    Derived from the code (T tokens, D dim, c compute bytes):
+      residual      fp32 only: the block input and the mid-block residual (saved by the norms'
+                    pow; in bf16 the norms save their own fp32 copies instead)
+      norms         2 x RMSNorm (see _norm_saved)
+      attention     wkv output [T, 2 Dh] (kept by the v view), q and k after rope, the rope
+                    cos/sin rows (fp32 [T, Dh] per rope call), attention output [T, H, Dh] and
+                    its log-sum-exp [T, H] fp32 (sparse_attention / dense_attention save q, k,
+                    v, out, lse; wo saves out)
+      indexer       q [T, Hi, Di], k [T, Di], w [T, Hi], the layer_norm input and its fp32
+                    mean/rstd, rope rows; sparse: the KL's log_softmax
+                    result and p (fp32 [T, K]) and its -inf mask (bool); dense (warm-up or
+                    L <= K): indexer_kl saves its gradients dq, dk, dw instead
+      indices       sparse: int64 [T, K] top-k indices and the [T] document starts
+      router        sigmoid scores [T, E] fp32, top-k ids int64 [T, k] (gather), the routing
+                    weights [T, k] fp32 (before and after normalisation) and the row sums
+                    (top-k weights and the balance losses' probabilities)
+      dispatch      the permutation indices (int64: index_select, index_copy; EP: regroup)
+                    and the token copies [R, D] grouped by expert (R = T k rows with balanced
+                    routing), saved by the experts op
+      experts       grouped_swiglu (ops/grouped_experts): silu input, silu output, up
+                    projection and their product, 4 [R, Hx]; the padded_bmm backend (CPU,
+                    NPU) works on [E, cap, .] buffers (E cap >= R rows, = R when balanced)
+                    and also keeps its padded input [E cap, D] and row slots (int64)
+      combine       the expert outputs [R, D] (saved by moe_unpermute's index_copy; EP: also
+                    the returned rows [T k, D]) and the weighting einsum's contiguous
+                    [T, D, k] copy
+      ffn           SwiGLU (dense layers and shared experts): 4 [T, hidden]
+    """
+    c = DTYPE_BYTES[s.compute_dtype]
+    T, L = s.micro_batch_size * s.seq_len, s.seq_len
+    D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
+    Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
+    sparse = L > K and s.phase == "sparse"
+    out = {
+        "residual": 2 * T * D * c if c == 4 else 0,
+        "norms": 2 * _norm_saved(T, D, c),
+        "attention": T * 2 * Dh * c + T * (H + 1) * Dh * c + 2 * T * Dh * 4
+        + T * H * Dh * c + T * H * 4,
+    }  # fmt: skip
+    if has_indexer:
+        proj = T * Hi * Di * c + T * Di * c + T * Hi * c  # q, k, w
+        ln_rope = T * Di * c + 2 * T * 4 + 2 * T * Di * 4  # LN input, mean/rstd, rope rows
+        if sparse:
+            out["indexer"] = proj + ln_rope + T * K * (4 + 4 + 1)
+            out["indices"] = T * K * 8 + T * 8
+        else:  # indexer_kl saves dq, dk, dw (same shapes as q, k, w)
+            out["indexer"] = 2 * proj + ln_rope
+    if is_moe:
+        E, k, Hx = cfg.n_experts // s.ep, cfg.n_active_experts, cfg.expert_hidden
+        R = T * k  # routed rows this rank's experts process (balanced routing)
+        B, Eg = s.micro_batch_size, cfg.n_experts
+        out["router"] = T * Eg * 4 + T * k * 8 + T * k * 4 + T * k * c + 2 * T * 4
+        out["router"] += (B + 1) * Eg * 4  # the balance losses' load fractions (per row, batch)
+        out["dispatch"] = 2 * T * k * 8 + (R * 8 if s.ep > 1 else 0) + R * D * c
+        if _experts_backend(s) == "padded_bmm":
+            Rp = E * -(-R // E)  # [E, cap, .] buffers, cap = the largest expert's rows
+            out["experts"] = Rp * D * c + 4 * Rp * Hx * c + R * 8
+        else:
+            out["experts"] = 4 * R * Hx * c
+        out["combine"] = R * D * c + (T * k * D * c if s.ep > 1 else 0) + T * k * D * c
+        if cfg.n_shared_experts > 0:
+            out["ffn"] = 4 * T * cfg.expert_hidden * cfg.n_shared_experts * c
+    else:
+        out["ffn"] = 4 * T * cfg.dense_hidden * c
+    return out
+
+
+_FFN_PARTS = ("router", "dispatch", "experts", "combine", "ffn")
+
+
+def _experts_backend(s: MemorySettings) -> str:
+    """The grouped_swiglu backend the registry picks: PyTorch's grouped GEMM on CUDA (sm90+,
+    assumed for accelerators), the padded batched matmul elsewhere (it falls back to the
+    unpadded grouped GEMM when routing is skewed; balanced routing is assumed here)."""
+    return "grouped_mm" if s.device_type == "cuda" else "padded_bmm"
+
+
+def _block_workspace(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe: bool):
+    """(forward, backward) transient bytes of the largest op in flight in one block.
+
+    Forward: the chunked CPU ops' per-chunk tiles (lightning indexer [C Hi, span] scores,
+    attention_probs [C, K, Dh] gathered keys + [C, H, K] fp32 scores), the indexer outputs and
+    KL temporaries ([T, K]), the MoE expert output before its row gather and the combine buffer
+    ([R, D] each; EP adds the all-to-all receive/return buffers).
+    Backward: the incoming gradient [T, D] plus the largest of: MoE (gradients of the combine
+    input, of the expert outputs and of the token copies, [R, D] each, and of the expert
+    hiddens, 3 [R, Hx]), attention (dq and the wo input gradient [T, H, Dh], fp32 dk/dv), the
+    indexer (dq, dk, dw and the backward tile), a dense FFN (4 [T, hidden])."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    T, L = s.micro_batch_size * s.seq_len, s.seq_len
+    D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
+    Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
+    sparse = L > K and s.phase == "sparse"
+    cpu = s.device_type == "cpu"
+    fwd = [T * H * Dh * c]  # the attention output before wo
+    bwd_attn = T * H * Dh * c * 2 + 2 * T * Dh * 4
+    bwd = [bwd_attn]
+    if has_indexer:
+        if sparse:
+            C = max(1, min(L, _OPS_CHUNK_ELEMS // max(1, Hi * L)))
+            tile_idx = C * L * (Hi * c + c + 1) if cpu else C * L * 4  # triton: [C, span]
+            Cp = max(1, min(L, _OPS_CHUNK_ELEMS // max(1, K * max(H, Dh))))
+            tile_probs = Cp * K * (Dh * c + 2 * H * 4)
+            kl_tmp = T * K * (c + 4 * 4)  # scores out, target, masked logq, xlogy, p*logq
+            fwd += [tile_idx, tile_probs + T * K * c, kl_tmp]
+            tile_bwd = C * L * (Hi * c + 4) if cpu else C * L * 4
+            bwd.append(tile_bwd + T * (Hi * Di + Hi) * c + T * Di * 4)
+        else:  # indexer_kl: [C, max(H, Hi), span] logits per block of queries
+            C = max(1, min(L, _OPS_CHUNK_ELEMS // max(1, max(H, Hi) * L)))
+            fwd.append(C * L * (max(H, Hi) * 4 * 2 + Hi * c))
+    if is_moe:
+        R = T * cfg.n_active_experts
+        fwd.append(2 * R * D * c + (R * D * c if s.ep > 1 else 0))
+        bwd.append(3 * R * D * c + 3 * R * cfg.expert_hidden * c)
+    else:
+        bwd.append(4 * T * cfg.dense_hidden * c)
+    return max(fwd), T * D * c + max(bwd)
+
+
+def _head_saved(cfg: ModelConfig, s: MemorySettings) -> tuple[float, float, float]:
+    """(main head, MTP depth before its block, MTP depth after its block) saved bytes,
+    log-probs excluded.
+
+    Main: token ids (embedding) and labels (cross-entropy), the final norm (input too in fp32).
+    MTP depth, before the block: next-token ids, the next-token embedding (fp32: saved by
+    embed_norm), hidden_norm and embed_norm (y and rsqrt: their outputs only feed torch.cat,
+    which saves nothing), the cat [T, 2D] (saved by proj). After the block: the output norm
+    (input too in fp32) and the labels."""
+    c = DTYPE_BYTES[s.compute_dtype]
+    T, D = s.micro_batch_size * s.seq_len, cfg.dim
+    norm_in = T * D * c if c == 4 else 0
+    main = 2 * T * 8 + _norm_saved(T, D, c) + norm_in
+    half_norm = T * D * (c + (4 if c != 4 else 0)) + T * 4  # y (+ fp32 copy) and rsqrt
+    pre = T * 8 + norm_in + 2 * half_norm + T * 2 * D * c
+    post = T * 8 + _norm_saved(T, D, c) + norm_in
+    return main, pre, post
+
+
+@dataclass
+class _Seg:
+    """One stretch of the forward: a block (an FSDP unit) or a head part."""
+
+    name: str
+    full: float  # bytes saved for backward without checkpointing (indices apart)
+    kept: float  # bytes kept from its forward to its backward under the AC mode
+    indices: float = 0.0
+    logp: float = 0.0  # fp32 log-probabilities its cross-entropy saves
+    unit: int | None = None  # index into the blocks (param units)
+    ws: tuple[float, float] = (0.0, 0.0)  # forward, backward workspace
+    recompute_indices: float = 0.0  # AC full: the indexer's indices computed again
+
+
+def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
+    """Per-device bytes of a training step and of initialisation (see the module docstring)."""
+    c, r = DTYPE_BYTES[s.compute_dtype], DTYPE_BYTES[s.reduce_dtype]
+    mb = DTYPE_BYTES[s.master_dtype]
+    dp, ep = s.dp_shard, s.ep
+    if cfg.n_experts % ep:
+        raise ValueError(f"parallel.ep={ep} must divide model.n_experts={cfg.n_experts}")
+    T, V, D = s.micro_batch_size * s.seq_len, cfg.vocab_size, cfg.dim
+    root, blocks, buffers, largest = _units(cfg, ep)
+    shard = [_sharded(u, dp, ep) * mb for u in blocks]
+    total_shard = _sharded(root, dp, ep) + sum(_sharded(u, dp, ep) for u in blocks)
+    base = {"master_params": total_shard * mb + buffers, "adam_moments": total_shard * 2 * mb}
+
+    def gathered(u: _Unit, copies: int = 1, buffer: int = 0) -> float:
+        """`copies` x the unit's unsharded compute-dtype copies + `buffer` x its all-gather
+        output (only where it has more than one shard: with one, FSDP2 copies the shard
+        straight into the unsharded parameter)."""
+        dpe = dp // ep
+        g = sum(-(-x[0] // dp) * dp * _numel(x[1:]) if x else 1 for x in u.shapes)
+        ge = sum(-(-(x[0] // ep) // dpe) * dpe * _numel(x[1:]) for x in u.expert_shapes)
+        g_buf = g * (dp > 1) + ge * (dpe > 1)
+        return ((g + ge) * copies + g_buf * buffer) * c
+
+    root_g = gathered(root)
+    ac = s.activation_checkpointing
+    kinds = [(i % cfg.index_share_every == 0, i >= cfg.n_dense_layers) for i in range(cfg.n_layers)]
+    kinds += [(False, False)] * cfg.mtp_depth  # MTP blocks: shared indices, dense FFN
+    head_main, mtp_pre, mtp_post = _head_saved(cfg, s)
+    logp = T * V * 4  # log_softmax result (fp32: logits.float())
+
+    def block_seg(i: int) -> _Seg:
+        f = _block_saved(cfg, s, *kinds[i])
+        idx = f.pop("indices", 0)
+        full = sum(f.values())
+        kept = {"off": full, "full": T * D * c,  # full: the checkpoint keeps the block input
+                "selective": sum(v for k, v in f.items() if k not in _FFN_PARTS)}[ac]  # fmt: skip
+        return _Seg(blocks[i].name, full, kept, idx, unit=i,
+                    ws=_block_workspace(cfg, s, *kinds[i]),
+                    recompute_indices=idx if ac == "full" else 0)  # fmt: skip
+
+    ce_fwd = T * V * c + (T * V * 4 if c != 4 else 0)  # logits (+ their fp32 copy)
+    ce_bwd = 2 * logp + (T * V * c if c != 4 else 0)  # grads of log-probs and logits
+    segs = [block_seg(i) for i in range(cfg.n_layers)]
+    segs.append(_Seg("head", head_main, head_main, logp=logp, ws=(ce_fwd, ce_bwd)))
+    for d in range(cfg.mtp_depth):
+        segs.append(_Seg(f"mtp {d + 1} input", mtp_pre, mtp_pre))
+        segs.append(block_seg(cfg.n_layers + d))
+        segs.append(_Seg(f"mtp {d + 1} head", mtp_post, mtp_post, logp=logp, ws=(ce_fwd, ce_bwd)))
+
+    moments: dict[str, dict[str, float]] = {}
+
+    def moment(name: str, **parts: float) -> None:
+        m = dict.fromkeys(COMPONENTS, 0.0)
+        m.update(base)
+        m.update(parts)
+        moments[name] = m
+
+    def before(j: int) -> tuple[float, float, float]:
+        return (sum(x.kept for x in segs[:j]), sum(x.indices for x in segs[:j]),
+                sum(x.logp for x in segs[:j]))  # fmt: skip
+
+    # Forward: the segment in flight with its block gathered. Under checkpointing a block's
+    # forward saves nothing beyond what it keeps; its workspace is the same.
+    for j, g in enumerate(segs):
+        acts, idx, lp = before(j)
+        # its copies, and its all-gather output (kept until the next block's copy-out)
+        unit = gathered(blocks[g.unit], 1, 1) if g.unit is not None else 0
+        moment(f"forward {g.name}", gathered_params=root_g + unit,
+               activations=acts + (g.full if ac == "off" or g.unit is None else g.kept),
+               topk_indices=idx + g.indices, logits=lp + g.logp, workspace=g.ws[0])  # fmt: skip
+    # Backward, in reverse: the segment's saved tensors (recomputed under checkpointing), the
+    # grads of the blocks done, the root's unsharded grads (head, embedding, MTP projections:
+    # reduced only at the end), the block's copies and the next block's prefetch.
+    root_grads = gathered(root)
+    order = [j for j in range(len(segs) - 1, -1, -1)]
+    unit_order = [segs[j].unit for j in order if segs[j].unit is not None]
+    grads_done = 0.0
+    for j in order:
+        g = segs[j]
+        acts, idx, lp = before(j)
+        if g.unit is None:
+            moment(f"backward {g.name}", gathered_params=root_g, grads=grads_done,
+                   unsharded_grads=root_grads, activations=acts + g.full,
+                   topk_indices=idx + g.indices, logits=lp + g.logp + (g.ws[1] if g.logp else 0),
+                   workspace=0 if g.logp else g.ws[1])  # fmt: skip
+            continue
+        k = unit_order.index(g.unit)
+        # the next block's prefetched all-gather output (copied out when its backward starts)
+        nxt = gathered(blocks[unit_order[k + 1]], 0, 1) if k + 1 < len(unit_order) else 0
+        u = blocks[g.unit]
+        own = gathered(u)
+        ffn_share = u.ffn_numel / max(1, sum(map(_numel, u.shapes + u.expert_shapes)))
+        moment(f"backward {g.name}", gathered_params=root_g + own + nxt, grads=grads_done,
+               unsharded_grads=root_grads + own * ffn_share, activations=acts + g.full,
+               topk_indices=idx + g.indices + g.recompute_indices, logits=lp,
+               workspace=g.ws[1])  # fmt: skip
+        # After it: its unsharded grads are copied into the reduce-scatter input (reduce dtype)
+        moment(f"reduce-scatter {g.name}", gathered_params=root_g + nxt, grads=grads_done,
+               unsharded_grads=root_grads + own + own / c * r, activations=acts,
+               topk_indices=idx, logits=lp)  # fmt: skip
+        grads_done += shard[g.unit]
+    # Optimizer step: every sharded grad exists; the update's temporaries (CPU: AdamW loops
+    # over parameters, one at a time; accelerators: foreach over a group, at most all params).
+    all_grads = total_shard * mb
+    step_tmp = largest * mb / dp if s.device_type == "cpu" else all_grads
+    moment("optimizer step", grads=all_grads, workspace=step_tmp)
+    # Evaluation: a no_grad forward, one block gathered, the logits of one cross-entropy.
+    moment("eval", gathered_params=root_g + max(gathered(u, 1, 1) for u in blocks),
+           workspace=max(x.ws[0] for x in segs if x.unit is not None) + 3 * T * D * c,
+           logits=T * V * (c + 4 + (4 if c != 4 else 0)))  # fmt: skip
+
+    totals = {k: sum(v.values()) for k, v in moments.items()}
+    peak_at = max(totals, key=totals.get)
+    # Initialisation (trainer.setup): to_empty() materialises every parameter in fp32 on every
+    # rank, init_weights() draws randn and scales it (two temporaries of the largest parameter),
+    # then parallelize() shards.
+    n_total = sum(_numel(x) for u in [root, *blocks] for x in u.shapes + u.expert_shapes)
+    init = n_total * 4 + buffers + 2 * largest * 4
+    notes = []
+    for u in blocks:
+        if u.expert_shapes and dp // ep > u.expert_shapes[0][0] // ep:
+            local, dpe = u.expert_shapes[0][0] // ep, dp // ep
+            notes.append(f"FSDP2 shards the experts on dim 0: {local} local experts over "
+                         f"dp/ep={dpe} ranks are padded to {dpe} rows, so every rank holds a "
+                         f"whole expert ({dpe / local:.1f}x its even share)")  # fmt: skip
+            break
+    if init > totals[peak_at]:
+        notes.append("initialisation is the peak: trainer.setup materialises the whole model "
+                     "in fp32 on every rank before sharding it")  # fmt: skip
+    saved: dict[str, float] = {}
+    for hi, moe in kinds:
+        for k, v in _block_saved(cfg, s, hi, moe).items():
+            saved[k] = saved.get(k, 0.0) + v
+    return MemoryEstimate(s, moments[peak_at], peak_at, totals[peak_at], float(init), moments,
+                          notes, saved)  # fmt: skip
+
+
 def memory_estimate(
     cfg: ModelConfig,
     dp_shard: int,
     ep: int,
     seq_len: int,
     micro_batch_size: int,
-    activation_checkpointing: bool = True,
-    param_bytes: int = 2,
+    *,
+    compute_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    master_dtype: str = "fp32",
+    activation_checkpointing: str = "off",
+    device_type: str = "cuda",
+    phase: str = "sparse",
 ) -> dict[str, float]:
-    """GiB per device for FSDP2 (all params sharded over dp_shard; experts over ep x dp/ep),
-    fp32 master weights + grads + AdamW moments, bf16 compute copies of the layers being
-    gathered (two in flight with prefetch), and activations. The activation term is a
-    first-order model (saved tensors per token per layer), calibrated on nothing yet: treat it
-    as a planning figure, not a promise."""
-    counts = count_params(cfg)
-    state = counts.total * (4 + 4 + 8) / dp_shard  # master, grad, exp_avg, exp_avg_sq
-    per_layer_dense = (counts.total - counts.experts - 2 * counts.embedding) / max(cfg.n_layers, 1)
-    per_layer_experts = counts.experts / max(cfg.n_layers - cfg.n_dense_layers, 1) / ep
-    gathered = 2 * (per_layer_dense + per_layer_experts) * param_bytes
-    tokens = seq_len * micro_batch_size
-    k = min(cfg.index_topk, seq_len)
-    n_indexers = -(-cfg.n_layers // cfg.index_share_every)
-    per_token_layer = (
-        cfg.dim * 10 * param_bytes  # norms, residuals, projections' inputs
-        + cfg.n_heads * cfg.head_dim * 3 * param_bytes  # q, attention output, grad buffers
-        + cfg.n_active_experts * cfg.expert_hidden * 3 * param_bytes  # routed expert hiddens
-    )
-    if activation_checkpointing:
-        acts = tokens * cfg.dim * param_bytes * cfg.n_layers + tokens * per_token_layer
-    else:
-        acts = tokens * per_token_layer * cfg.n_layers
-    indices = tokens * k * 8 * n_indexers  # int64 top-k indices kept for backward
-    logits = tokens * cfg.vocab_size * 4 * 2
-    out = {
-        "params_and_optimizer": state / GIB,
-        "gathered_layers": gathered / GIB,
-        "activations": acts / GIB,
-        "topk_indices": indices / GIB,
-        "logits": logits / GIB,
-    }
-    out["total"] = sum(out.values())
+    """GiB per device at the training step's peak, by component, plus `total`;
+    `params_and_optimizer` = fp32 master params (+ buffers) + AdamW moments."""
+    s = MemorySettings(dp_shard, ep, seq_len, micro_batch_size, compute_dtype, reduce_dtype,
+                       master_dtype, activation_checkpointing, device_type, phase)  # fmt: skip
+    est = memory_breakdown(cfg, s)
+    g = est.gib()
+    out = {"params_and_optimizer": g.pop("master_params") + g.pop("adam_moments")}
+    out.update(g)
     return out
+
+
+def settings_for_job(cfg, world_size: int, device_type: str) -> list[MemorySettings]:
+    """The settings a job (JobConfig) runs with on `world_size` ranks of `device_type`: one per
+    training phase it goes through (a dense warm-up prefix, then sparse)."""
+    from wanka.device import autocast_dtype
+
+    t = cfg.train
+    dp = world_size if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard
+    amp = autocast_dtype(device_type, t.mixed_precision)
+    base = MemorySettings(
+        dp_shard=dp, ep=cfg.parallel.ep, seq_len=cfg.data.seq_len,
+        micro_batch_size=t.micro_batch_size, compute_dtype="fp32" if amp is None else "bf16",
+        reduce_dtype=t.reduce_dtype, activation_checkpointing=t.activation_checkpointing,
+        device_type=device_type, phase="dense_warmup" if t.phase == "dense_warmup" else "sparse",
+    )  # fmt: skip
+    if t.phase == "sparse" and t.dense_warmup_steps > 0:
+        return [replace(base, phase="dense_warmup"), base]
+    return [base]
+
+
+def job_memory(cfg, world_size: int, device_type: str) -> MemoryEstimate:
+    """The largest estimate over the phases the job runs."""
+    ests = [memory_breakdown(cfg.model, s) for s in settings_for_job(cfg, world_size, device_type)]
+    return max(ests, key=lambda e: e.peak)

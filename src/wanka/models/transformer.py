@@ -16,7 +16,7 @@ from torch import nn
 from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention, make_ropes
 from wanka.models.layers import FeedForward, RMSNorm
-from wanka.models.moe import MoE
+from wanka.models.moe import MoE, MoELosses
 
 
 @dataclass
@@ -29,7 +29,8 @@ class LossParts:
     mtp_count: torch.Tensor
     kl_sum: torch.Tensor
     kl_count: int
-    balance: torch.Tensor  # mean over MoE layers
+    balance: torch.Tensor  # batch-wise balance loss, mean over MoE layers
+    seq_balance: torch.Tensor  # sequence-wise balance loss (mean over rows), mean over MoE layers
 
 
 class Block(nn.Module):
@@ -46,11 +47,12 @@ class Block(nn.Module):
             self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase
         )
         x = x + h
+        moe_losses: MoELosses | None = None
         if self.moe is not None:
-            f, balance = self.moe(self.ffn_norm(x))
+            f, moe_losses = self.moe(self.ffn_norm(x))
         else:
-            f, balance = self.ffn(self.ffn_norm(x)), None
-        return x + f, aux, balance
+            f = self.ffn(self.ffn_norm(x))
+        return x + f, aux, moe_losses
 
 
 class MTPModule(nn.Module):
@@ -122,14 +124,14 @@ class Transformer(nn.Module):
     ) -> LossParts:
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         h = self.tok_embeddings(tokens)
-        indices, kl_sum, kl_count, balances = None, h.new_zeros(()), 0, []
+        indices, kl_sum, kl_count, moe_losses = None, h.new_zeros(()), 0, []
         for blk in self.layers.values():
-            h, aux, balance = blk(h, positions, doc_ids, ropes, indices, phase)
+            h, aux, losses = blk(h, positions, doc_ids, ropes, indices, phase)
             indices = aux.indices if aux.indices is not None else indices
             if aux.kl_sum is not None:
                 kl_sum, kl_count = kl_sum + aux.kl_sum, kl_count + aux.kl_count
-            if balance is not None:
-                balances.append(balance)
+            if losses is not None:
+                moe_losses.append(losses)
         lm_sum, lm_count = _ce(self._logits(self.norm(h)), labels)
 
         mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
@@ -141,8 +143,13 @@ class Transformer(nn.Module):
             s, c = _ce(self._logits(mtp.norm(h)), mtp_labels(labels, doc_ids, d))
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
 
-        balance = torch.stack(balances).mean() if balances else h.new_zeros(())
-        return LossParts(lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance)
+        if moe_losses:
+            balance, seq_balance = (torch.stack(t).mean() for t in zip(*moe_losses))
+        else:
+            balance = seq_balance = h.new_zeros(())
+        return LossParts(
+            lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance, seq_balance
+        )
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

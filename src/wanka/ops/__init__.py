@@ -2,6 +2,7 @@
 
 from wanka.ops import (  # noqa: F401
     dense_attention,
+    grouped_experts,
     indexer_kl,
     lightning_indexer,
     moe_dispatch,

@@ -166,17 +166,18 @@ def param_counts(cfg):
 
 
 def memory_need_bytes(cfg, world_size: int) -> int:
-    """Per-rank estimate for this job: FSDP over dp_shard, no activation checkpointing (the
-    trainer does not use it), fp32 on CPU and bf16 compute copies on accelerators."""
-    from wanka.device import autocast_dtype
-    from wanka.models.stats import memory_estimate
+    """Per-rank peak for this job (models/stats.py `job_memory`): its layout (dp_shard, ep),
+    data.seq_len, train.micro_batch_size, compute dtype (train.mixed_precision on this device),
+    train.reduce_dtype, train.activation_checkpointing and training phases; the larger of the
+    training step and the model's initialisation."""
+    return int(_job_memory(cfg, world_size).peak)
 
-    d = _dims(cfg, world_size)
-    dtype = autocast_dtype(resolve_device_type(cfg.run.device), cfg.train.mixed_precision)
-    est = memory_estimate(cfg.model, d.dp_shard, d.ep, cfg.data.seq_len,
-                          cfg.train.micro_batch_size, activation_checkpointing=False,
-                          param_bytes=4 if dtype is None else 2)  # fmt: skip
-    return int(est["total"] * GIB)
+
+def _job_memory(cfg, world_size: int):
+    from wanka.models.stats import job_memory
+
+    _dims(cfg, world_size)  # invalid degrees: reported once, by parallel.degrees
+    return job_memory(cfg, world_size, resolve_device_type(cfg.run.device))
 
 
 def _mem_available() -> int:
@@ -203,16 +204,21 @@ def device_memory(device_type: str, local_ranks: int, index: int = 0) -> tuple[i
 
 
 def _check_memory(cfg, world_size: int, nnodes: int, capacity: int | None) -> CheckResult:
-    need = memory_need_bytes(cfg, world_size)
+    est = _job_memory(cfg, world_size)
+    need = int(est.peak)
     device_type = resolve_device_type(cfg.run.device)
     where = "given capacity"
     if capacity is None:
         capacity = device_memory(device_type, world_size // max(nnodes, 1))[1]
         where = "RAM available per local rank" if device_type == "cpu" else f"{device_type} memory"
-    msg = f"estimate {need / GIB:.2f} GiB/rank vs {capacity / GIB:.2f} GiB {where}"
+    at = "initialisation" if est.init_peak > est.train_peak else est.peak_at
+    msg = (f"estimate {need / GIB:.2f} GiB/rank (peak at {at}; {est.settings.compute_dtype} "
+           f"compute, activation checkpointing {est.settings.activation_checkpointing}) vs "
+           f"{capacity / GIB:.2f} GiB {where}")  # fmt: skip
     if need > capacity:
         return CheckResult("memory", False, msg + ": lower train.micro_batch_size or "
-                           "data.seq_len, or add ranks (parallel.dp_shard) / raise parallel.ep")  # fmt: skip
+                           "data.seq_len, set train.activation_checkpointing, or add ranks "
+                           "(parallel.dp_shard) / raise parallel.ep")  # fmt: skip
     return CheckResult("memory", True, msg, warn=need > 0.9 * capacity)
 
 

@@ -212,7 +212,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
                     "retrying it" if tries == 0 else "skipping this batch")  # fmt: skip
         now = time.time()
         rt.event("fault", now, now, cause="nan", rank=None, node=rt.node, detail=bad, step=step,
-                 injected=bool(sums[4] > 0))  # fmt: skip
+                 injected=bool(sums[5] > 0))  # fmt: skip
     skipped = bad is not None
     rt.skipped_in_a_row = rt.skipped_in_a_row + 1 if skipped else 0
     if rt.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the state, not one batch, is bad
@@ -228,11 +228,12 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     )
     dt = time.perf_counter() - t0
     tokens = n_micro_global * micro[0].tokens.numel()
-    lm, mtp, kl_sum, bal, _ = sums.tolist()
+    lm, mtp, kl_sum, bal, seq_bal, _ = sums.tolist()
     return {
         "loss": kl_sum / n_kl if phase == "dense_warmup" else lm / n_lm,  # what is trained
         "lm_loss": lm / n_lm, "mtp_loss": mtp / n_mtp,
         "indexer_kl": kl_sum / n_kl, "moe_balance": bal / n_micro_global,
+        "moe_seq_balance": seq_bal / n_micro_global,
         "moe_max_load": imbalance, "grad_norm": float(grad_norm), "lr": lr,
         "step_time": dt, "tokens_per_s": tokens / dt, "phase_sparse": float(phase == "sparse"),
         "retried": float(tries > 0), "skipped": float(skipped),
@@ -244,7 +245,7 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
     """Gradients of the global-mean loss over all micro-batches; returns the global loss sums
     (all-reduced, so every rank can judge the step alike) and the clipped global grad norm."""
     cfg, model, rt = job.cfg, job.model, job.runtime
-    sums = torch.zeros(5, dtype=torch.float64)  # lm, mtp, kl, balance, injected NaNs
+    sums = torch.zeros(6, dtype=torch.float64)  # lm, mtp, kl, balance, seq balance, injected
     amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
     for i, b in enumerate(micro):
         # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
@@ -257,14 +258,15 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
             loss = kl  # only the indexer learns
         else:
             loss = (parts.lm_sum / n_lm + cfg.model.mtp_loss_weight * parts.mtp_sum / n_mtp + kl
-                    + cfg.model.balance_loss_weight * parts.balance / n_micro_global)  # fmt: skip
+                    + cfg.model.balance_loss_weight * parts.balance / n_micro_global
+                    + cfg.model.seq_balance_loss_weight * parts.seq_balance / n_micro_global)  # fmt: skip
         if i == 0 and rt.chaos.nan_now(step):
             loss = loss * float("nan")  # an injected numeric fault (e.g. a flipped bit)
-            sums[4] += 1  # every rank learns it was injected (the report marks it so)
+            sums[5] += 1  # every rank learns it was injected (the report marks it so)
         rt.progress.enter("backward", step)
         loss.backward()
-        sums[:4] += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
-                             parts.balance.detach()]).double().cpu()  # fmt: skip
+        sums[:5] += torch.stack([parts.lm_sum.detach(), parts.mtp_sum.detach(), parts.kl_sum.detach(),
+                                 parts.balance.detach(), parts.seq_balance.detach()]).double().cpu()  # fmt: skip
         if not torch.isfinite(loss.detach()):
             sums[0] = float("nan")
     rt.progress.enter("optimizer", step)
