@@ -9,6 +9,7 @@ reports medians and the peak-RSS growth over the baseline (inputs and indices ex
     .venv/bin/python benchmarks/sparse_attention_cpu.py --L 8192 32768 --impls cpu
     .venv/bin/python benchmarks/sparse_attention_cpu.py --threads 1
     .venv/bin/python benchmarks/sparse_attention_cpu.py --growth --L 8192 32768
+    .venv/bin/python benchmarks/sparse_attention_cpu.py --thread-counts 1,2 --L 8192 --compete 1
 
 `--growth` measures how fwd+bwd time grows with L at fixed K, side by side in one process:
 runs at the short and long length alternate (short, long, short, ...) and each long run is
@@ -16,8 +17,18 @@ divided by the mean of the short runs on either side, so drifts in the machine's
 both; it prints the median and range of those ratios and the ratio of work (valid selected
 (query, key) pairs: causal queries before position K select fewer than K keys).
 
+`--thread-counts 1,2` measures the speed-up over the reference at each torch thread count,
+side by side in one process: each round runs reference then cpu fwd+bwd at 1 thread, then
+both at 2 threads, and so on, so a change in the machine's load hits every cell of a round;
+it prints per thread count the median time of each and the median (and range) of the
+per-round speed-ups. `--compete N` keeps N other processes busy (a pure-Python spin each, in
+its own session) during the measurement: a machine with other load, where OpenMP teams lose
+their threads.
+
 Indices: `random` = wanka.ops.index_patterns.random_indices (uniform), `realistic` =
-realistic_indices (3K/4 local window + K/8 shared heavy hitters + ~K/8 random; see there).
+realistic_indices (3K/4 local window + K/8 shared heavy hitters + ~K/8 random; see there),
+`block` = block_sparse_indices (K/4 window + 64-key blocks), `packed` = realistic over 8
+packed documents (packed_doc_ids).
 """
 
 from __future__ import annotations
@@ -43,14 +54,13 @@ def _indices_path(pattern: str, L: int, K: int) -> Path:
 
 
 def _ensure_indices(pattern: str, L: int, K: int) -> Path:
-    from wanka.ops.index_patterns import random_indices, realistic_indices
+    from wanka.bench.ops import sparse_indices
 
     path = _indices_path(pattern, L, K)
     if not path.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
-        gen = random_indices if pattern == "random" else realistic_indices
-        torch.save(gen(1, L, K, seed=0), path)
+        torch.save(sparse_indices(pattern, L, K, seed=0), path)
         print(f"# generated {path.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     return path
 
@@ -159,6 +169,80 @@ def _growth(args) -> None:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
 
+def _burners(n: int) -> list[subprocess.Popen]:
+    """n busy processes (one core's worth each) standing for other load on the machine. Each
+    starts its own session, as another user's job would: where the kernel groups scheduling
+    by session (Linux autogroup), a child in this session would only take this benchmark's
+    own share of the CPUs."""
+    cmd = [sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(cmd, start_new_session=True) for _ in range(n)]
+
+
+def _thread_counts(args) -> None:
+    from wanka.ops.sparse_attention import cpu, reference
+
+    counts = [int(x) for x in args.thread_counts.split(",")]
+    L, K, H, D = args.L[0], args.K, args.H, args.D
+    scale = D**-0.5
+    fns = {"reference": reference.sparse_attention, "cpu": cpu.sparse_attention}
+
+    def fwd_bwd(fn, q, k, v, idx, dout) -> tuple[float, float]:
+        t, c = time.perf_counter(), time.process_time()
+        torch.autograd.grad(fn(q, k, v, idx, scale), (q, k, v), dout)
+        return time.perf_counter() - t, time.process_time() - c
+
+    report = {"L": L, "K": K, "H": H, "D": D, "threads": counts, "compete": args.compete,
+              "rounds": args.rounds, "torch": torch.__version__, "cpus": os.cpu_count(),
+              "loadavg_start": os.getloadavg(), "patterns": {}}  # fmt: skip
+    burners = _burners(args.compete)
+    try:
+        for pattern in args.patterns.split(","):
+            idx = torch.load(_ensure_indices(pattern, L, K))
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, L, H, D, generator=g).requires_grad_()
+            k = torch.randn(1, L, D, generator=g).requires_grad_()
+            v = torch.randn(1, L, D, generator=g).requires_grad_()
+            dout = torch.randn(1, L, H, D, generator=g)
+            for n in counts:  # warm-up: the cpu backend's workers, first touches
+                torch.set_num_threads(n)
+                fwd_bwd(fns["cpu"], q, k, v, idx, dout)
+            times = {(impl, n): [] for impl in fns for n in counts}
+            loads = []
+            for _ in range(args.rounds):
+                for n in counts:
+                    torch.set_num_threads(n)
+                    for impl, fn in fns.items():
+                        times[impl, n].append(fwd_bwd(fn, q, k, v, idx, dout))
+                loads.append(os.getloadavg()[0])
+            rows = {"loadavg_per_round": loads}
+            for n in counts:
+                ref = [x[0] for x in times["reference", n]]
+                mine = [x[0] for x in times["cpu", n]]
+                ref_c = [x[1] for x in times["reference", n]]
+                mine_c = [x[1] for x in times["cpu", n]]
+                sp = [a / b for a, b in zip(ref, mine)]
+                rows[n] = {"reference_s": statistics.median(ref), "cpu_s": statistics.median(mine),
+                           "speedup_median": statistics.median(sp), "speedup_min": min(sp),
+                           "speedup_max": max(sp), "reference_all": ref, "cpu_all": mine,
+                           "reference_cpu_time_all": ref_c, "cpu_cpu_time_all": mine_c}  # fmt: skip
+                print(f"{pattern:<10} L={L} K={K} threads={n} compete={args.compete}: reference "
+                      f"{rows[n]['reference_s']:.2f} s, cpu {rows[n]['cpu_s']:.2f} s, speed-up "
+                      f"median {rows[n]['speedup_median']:.2f}x (range {min(sp):.2f}-"
+                      f"{max(sp):.2f}, {args.rounds} rounds); process CPU time "
+                      f"{statistics.median(ref_c):.2f} / {statistics.median(mine_c):.2f} s",
+                      flush=True)  # fmt: skip
+            report["patterns"][pattern] = rows
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    report["loadavg_end"] = os.getloadavg()
+    print(f"# load average at start {report['loadavg_start'][0]:.1f}, "
+          f"at end {report['loadavg_end'][0]:.1f} (1 min)")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -175,9 +259,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--growth", action="store_true", help="long/short fwd+bwd ratio (see above)")
-    p.add_argument("--rounds", type=int, default=5, help="--growth: long runs per pattern")
-    p.add_argument("--json", default="", help="--growth: also write the figures to this file")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="--growth: long runs per pattern; --thread-counts: rounds")  # fmt: skip
+    p.add_argument("--json", default="", help="--growth / --thread-counts: also write JSON")
+    p.add_argument(
+        "--thread-counts",
+        default="",
+        help="e.g. 1,2: speed-up over the reference per torch thread count (above)",
+    )
+    p.add_argument("--compete", type=int, default=0,
+                   help="--thread-counts: busy processes running alongside")  # fmt: skip
     args = p.parse_args()
+    if args.thread_counts:
+        if args.rounds < 1:
+            p.error(f"--rounds must be at least 1, got {args.rounds}")
+        return _thread_counts(args)
     if args.growth:
         if len(args.L) != 2:
             p.error("--growth takes exactly two lengths, e.g. --L 8192 32768")

@@ -126,7 +126,9 @@ def _report(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from wanka.bench.train import bench_train_main
 
-    return bench_train_main(quick=args.quick, out=Path(args.out), steps=args.steps)
+    return bench_train_main(quick=args.quick, out=Path(args.out), steps=args.steps,
+                            flavors=args.flavors, nprocs=args.nprocs, ac=args.ac,
+                            compile=args.compile, seq_len=args.seq_len, global_batch=args.global_batch)  # fmt: skip
 
 
 def _bench_memory(args: argparse.Namespace) -> int:
@@ -211,6 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--quick", action="store_true", help="fewer steps, smaller shapes")
     bt.add_argument("--steps", type=int, default=None, help="steps per case (default: per flavor)")
     bt.add_argument("--out", default="runs/bench/train.json", help="JSON result file")
+    bt.add_argument("--flavors", default=None, help="comma list (default tiny,small)")
+    bt.add_argument("--nprocs", default=None, help="comma list of rank counts (default 1,2)")
+    bt.add_argument("--ac", default="off",
+                    help="activation checkpointing modes, comma list of off,full,selective")  # fmt: skip
+    bt.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                    help="torch.compile per block; both = eager and compiled side by side")  # fmt: skip
+    bt.add_argument(
+        "--seq-len", type=int, default=None, help="override every flavor's sequence length"
+    )
+    bt.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per step over all ranks"
+    )
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
     bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")

@@ -57,7 +57,8 @@ def local_device(device_type: str) -> torch.device:
 
 
 def autocast_dtype(device_type: str, mode: str) -> torch.dtype | None:
-    """bf16 autocast on accelerators by default, fp32 (no autocast) on CPU."""
+    """The compute dtype: bf16 on accelerators by default, None (fp32) on CPU. parallelize
+    applies it through FSDP's mixed-precision policy (no autocast)."""
     if mode == "fp32" or (mode == "auto" and device_type == "cpu"):
         return None
     return torch.bfloat16

@@ -326,6 +326,51 @@ def test_sparse_attention_backward_maps_gradients_back(fake_npu, monkeypatch):
         torch.testing.assert_close(a.float(), b, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_sparse_attention_keeps_duplicate_slots(fake_npu):
+    """Per-slot contract: the layout conversion keeps a repeated key in every slot (the
+    fused op then counts each, like the reference)."""
+    B, L, H, K = 1, 14, 2, 6
+    q, kv, idx = _sfa_inputs(B, L, H, K, seed=4)
+    first = idx.max(-1, keepdim=True).values  # the query itself
+    idx = torch.where(idx < 0, first, idx)  # every empty slot repeats it
+    idx[..., 0] = first[..., 0]
+    npu_idx = sa_npu.to_npu_indices(idx)[:, :, 0].long()
+    assert torch.equal(npu_idx.sort(-1).values, idx.sort(-1).values)
+    with torch.no_grad():
+        out = sa_npu.sparse_attention(q, kv, kv, idx, 0.05)
+    ref = sa_ref.sparse_attention(q.float(), kv.float(), kv.float(), idx, 0.05)
+    torch.testing.assert_close(out.float(), ref, **VAL_TOL)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sparse_attention_nonfinite_stays_in_its_document(fake_npu, monkeypatch, fused):
+    """inf in K/V row 0 (document 0) and NaN in a document-0 query: the later documents'
+    outputs and gradients are finite and match clean inputs, through the fused op's
+    conversion (stand-in) and through the fallback (float32: the reference)."""
+    B, L, H, K = 1, 16, 2, 6
+    monkeypatch.setattr(sa_npu, "GRAD_TOPK", K)
+    q, kv, idx = _sfa_inputs(B, L, H, K, seed=5)  # documents 0 .. 6 and 7 .. 15
+    if not fused:
+        q, kv = q.float(), kv.float()
+    assert (idx[:, 7:] < 0).any()
+    bq, bkv = q.clone(), kv.clone()
+    bkv[:, 0] = float("inf")
+    bq[:, 2, 1] = float("nan")
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(6)).to(q.dtype)
+
+    def grads(q, kv):
+        q, kv = q.detach().requires_grad_(True), kv.detach().requires_grad_(True)
+        out = sa_npu.sparse_attention(q, kv, kv, idx, 0.05)
+        return (out.detach(), *torch.autograd.grad(out, (q, kv), g))
+
+    got, want = grads(bq, bkv), grads(q, kv)
+    assert (fake_npu.calls != []) == fused
+    for name, a, b in zip(("out", "dq", "dkv"), got, want, strict=True):
+        a, b = a[:, 7:].float(), b[:, 7:].float()
+        assert torch.isfinite(a).all(), f"{name}: a non-finite value left document 0"
+        torch.testing.assert_close(a, b, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [

@@ -1,7 +1,9 @@
 """Triton sparse-attention backend vs the reference, run on CPU tensors through the Triton
 interpreter (TRITON_INTERPRET=1, set before triton is imported): outputs and q/k/v
 gradients with random indices over 2 documents, -1 padding anywhere in a row (including a
-whole tile of it), several slot tiles per row, non-contiguous inputs, poisoned outputs.
+whole tile of it), several slot tiles per row, non-contiguous inputs, poisoned outputs;
+duplicate indices (counted once per slot, as the reference does) and inf/NaN planted in one
+document (the other document's outputs and gradients stay finite and unchanged).
 
 Tolerances: rtol = atol = 1e-3 in float32 (both sides float32, different summation order).
 """
@@ -103,6 +105,49 @@ def test_empty_tile_and_strided_inputs():
     k, v = kv[..., :D], kv[..., D:]
     assert not q.is_contiguous() and not k.is_contiguous()
     _run(q, k, v, idx, 0.3, block_k=16)
+
+
+@needs_interpreter
+def test_duplicate_indices_count_per_slot():
+    """A key in several slots of one query counts once per slot, in one tile and across
+    tiles (block_k 16 with K = 24: slots 0 and 20 hold the same key)."""
+    B, L, H, D, K = 1, 40, 2, 16, 24
+    idx = random_indices(B, L, K, doc_ids=_doc_ids(B, L), seed=6)
+    n = (idx >= 0).sum(-1, keepdim=True)  # valid slots come first
+    first = idx[..., :1]
+    idx.scatter_(-1, n.clamp(max=K - 1), torch.where(n < K, first, idx[..., -1:]))
+    idx[..., 20] = torch.where(idx[..., 20] >= 0, first[..., 0], -1)
+    idx[..., 1] = torch.where(n[..., 0] >= 2, first[..., 0], idx[..., 1])
+    q, k, v = _inputs(B, L, H, D, seed=8)
+    _run(q, k, v, idx, 0.3, block_k=16)
+
+
+@needs_interpreter
+def test_nonfinite_values_stay_in_their_document():
+    """inf/NaN in document 0 (row 0 of K and V, which the reference's empty slots read
+    before the fix, and one query): document 1's outputs and gradients match the clean
+    inputs' reference."""
+    B, L, H, D, K = 1, 32, 2, 16, 12
+    idx = _shuffle_slots(random_indices(B, L, K, doc_ids=_doc_ids(B, L), seed=9), seed=10)
+    assert (idx[:, L // 2 :] < 0).any()
+    q, k, v = _inputs(B, L, H, D, seed=11)
+    bq, bk, bv = q.clone(), k.clone(), v.clone()
+    bk[:, 0] = float("inf")
+    bv[:, 0] = float("nan")
+    bq[:, 3, 1] = float("inf")
+    g = torch.randn(B, L, H, D, generator=torch.Generator().manual_seed(12))
+
+    def grads(fn, q, k, v):
+        q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+        out = fn(q, k, v)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), g))
+
+    got = grads(lambda q, k, v: tb._SparseAttention.apply(q, k, v, idx, 0.4, None), bq, bk, bv)
+    want = grads(lambda q, k, v: reference.sparse_attention(q, k, v, idx, 0.4), q, k, v)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        a, b = a[:, L // 2 :], b[:, L // 2 :]
+        assert torch.isfinite(a).all(), f"{name}: a non-finite value left document 0"
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_registered_for_cuda():

@@ -5,6 +5,12 @@ Per case: forward and forward+backward time (median of repeats after warm-up), p
 reference on the same inputs, and achieved FLOP/s against a measured matmul peak. A fresh
 process per case keeps one case's peak memory from hiding another's. Cases whose estimated
 memory exceeds the budget are recorded as skipped with the estimate, never silently dropped.
+
+Every case runs at 1 torch thread and at N (torch's default here), each in its own process,
+and the table puts them side by side: training runs one thread per rank, a single-rank user
+and the lab run N. Sparse attention index patterns: `realistic`, `random`, `block` (local
+window + scattered 64-key blocks) and `packed` (realistic over 8 packed documents); see
+wanka.ops.index_patterns.
 """
 
 from __future__ import annotations
@@ -20,6 +26,19 @@ from pathlib import Path
 GIB = 1024**3
 
 
+PATTERNS = ("realistic", "random", "block", "packed")
+PACKED_DOCS = 8  # documents per row of the `packed` pattern
+PATTERN_K = 1024  # block and packed run at this k only (realistic and random at every k)
+
+
+def default_threads() -> tuple[int, ...]:
+    """(1, N): N = torch's default thread count in a fresh process here."""
+    import torch
+
+    n = torch.get_num_threads()
+    return (1, n) if n > 1 else (1,)
+
+
 def _cases(quick: bool) -> list[dict]:
     """Shapes of the issue: L in 4k..32k, k in 512..2048; quick keeps the small ones."""
     H, D = 16, 64
@@ -28,7 +47,7 @@ def _cases(quick: bool) -> list[dict]:
     cases = []
     for L in Ls:
         for k in ks:
-            for pattern in ("realistic", "random"):
+            for pattern in PATTERNS if k == PATTERN_K else PATTERNS[:2]:
                 for backend in ("reference", "cpu"):
                     cases.append(
                         dict(
@@ -105,14 +124,31 @@ def _status_kib(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
+def sparse_indices(pattern: str, L: int, k: int, seed: int = 1):
+    """[1, L, k] indices of a bench pattern (see PATTERNS)."""
+    from wanka.ops import index_patterns as ip
+
+    if pattern == "realistic":
+        return ip.realistic_indices(1, L, k, seed=seed)
+    if pattern == "random":
+        return ip.random_indices(1, L, k, seed=seed)
+    if pattern == "block":
+        return ip.block_sparse_indices(1, L, k, seed=seed)
+    if pattern == "packed":
+        docs = ip.packed_doc_ids(1, L, PACKED_DOCS, seed=seed)
+        return ip.realistic_indices(1, L, k, seed=seed, doc_ids=docs)
+    raise ValueError(f"unknown index pattern {pattern!r}; one of {PATTERNS}")
+
+
 def run_case(case: dict, repeats: int) -> dict:
     """Executed inside the child process."""
     import torch
 
     from wanka import ops
     from wanka.bench.longctx import median_time
-    from wanka.ops.index_patterns import random_indices, realistic_indices
 
+    if case.get("threads"):
+        torch.set_num_threads(int(case["threads"]))
     torch.manual_seed(0)
     os.environ["WANKA_OPS_BACKEND"] = f"{case['op']}={case['backend']}"
     L = case["L"]
@@ -123,8 +159,7 @@ def run_case(case: dict, repeats: int) -> dict:
             torch.randn(1, L, case["D"]),
             torch.randn(1, L, case["D"]),
         )
-        gen = realistic_indices if case["pattern"] == "realistic" else random_indices
-        idx = gen(1, L, case["k"], seed=1)
+        idx = sparse_indices(case["pattern"], L, case["k"])
         inputs, fn = (
             (q, k, v),
             lambda q, k, v: ops.call("sparse_attention", q, k, v, idx, case["D"] ** -0.5),
@@ -185,44 +220,58 @@ def run_case(case: dict, repeats: int) -> dict:
 
 
 def bench_ops_main(
-    quick: bool, out: Path, budget_gib: float = 12.0, repeats: int | None = None
+    quick: bool,
+    out: Path,
+    budget_gib: float = 12.0,
+    repeats: int | None = None,
+    threads: tuple[int, ...] | None = None,
 ) -> int:
+    """Every case at each torch thread count in `threads` (default 1 and N, see
+    default_threads), each in a fresh process."""
     from wanka.bench.flops import measure_matmul_peak
     from wanka.bench.ops_table import markdown_table
 
     repeats = repeats or (2 if quick else 3)
+    threads = tuple(threads or default_threads())
     peak = measure_matmul_peak()
     rows, failed = [], 0
-    for case in _cases(quick):
-        est = estimate_bytes(case)
+    for case in (
+        {**base, "threads": n} for base in _cases(quick) for n in threads
+    ):  # each shape at every thread count, side by side
         row = dict(case)
+        est = estimate_bytes(case)
         if est > budget_gib * GIB:
             row["skipped"] = f"estimated {est / GIB:.1f} GiB > budget {budget_gib} GiB"
         else:
-            cmd = [sys.executable, "-m", "wanka.bench.ops", json.dumps(case), str(repeats)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                row["error"] = (r.stderr.strip().splitlines() or ["failed"])[-1]
-                failed += 1
-            else:
-                row.update(json.loads(r.stdout.strip().splitlines()[-1]))
-                row["fraction_of_peak"] = row["fwd_bwd_gflops"] * 1e9 / peak
-                if row.get("max_abs_err") == float("inf"):  # also keeps the JSON strict
-                    del row["max_abs_err"]
-                    row["error"] = "non-finite output where the reference is finite"
-                    failed += 1
+            row.update(_run_child(case, repeats, peak))
+            failed += "error" in row
         rows.append(row)
         print(_fmt(row), flush=True)
     longctx = _long_context(quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": {"nproc": os.cpu_count(), "platform": platform.platform()},
-            "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick}  # fmt: skip
+            "torch": __import__("torch").__version__, "matmul_peak_flops": peak, "quick": quick,
+            "threads": list(threads)}  # fmt: skip
     doc = {**meta, "cases": rows, **longctx}
     out.write_text(json.dumps(doc, indent=2))
     table = out.with_suffix(".md") if out.suffix != ".md" else out.with_suffix(".table.md")
     table.write_text(markdown_table(doc) + "\n")
     print(f"wrote {out} and {table}")
     return 1 if failed else 0
+
+
+def _run_child(case: dict, repeats: int, peak: float) -> dict:
+    """One case in a fresh process -> its figures, or {"error": ...}."""
+    cmd = [sys.executable, "-m", "wanka.bench.ops", json.dumps(case), str(repeats)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res["fraction_of_peak"] = res["fwd_bwd_gflops"] * 1e9 / peak
+    if res.get("max_abs_err") == float("inf"):  # also keeps the JSON strict
+        del res["max_abs_err"]
+        res["error"] = "non-finite output where the reference is finite"
+    return res
 
 
 def _long_context(quick: bool) -> dict:
@@ -254,9 +303,12 @@ def _long_context(quick: bool) -> dict:
 
 
 def row_head(r: dict) -> str:
-    """The label each table row starts with: op, backend, L, k and index pattern."""
+    """The label each table row starts with: op, backend, L, k, index pattern (and torch
+    threads when the row records them)."""
     k = r.get("k") or "-"
-    return f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={k!s:5s} {r.get('pattern') or '':9s}"
+    t = f" t={r['threads']}" if r.get("threads") else ""
+    return (f"{r['op']:17s} {r['backend']:9s} L={r['L']:<6d} k={k!s:5s} "
+            f"{r.get('pattern') or '':9s}{t}")  # fmt: skip
 
 
 def unmeasured(r: dict) -> str | None:

@@ -7,6 +7,12 @@ ranks (the micro-batch is divided by nproc), so tokens/s compare like for like. 
 WARMUP_STEPS steps are discarded; step time is the median of the rest, tokens/s is
 global batch tokens / that median.
 
+Variants: `ac_modes` (activation checkpointing off / full / selective) and `compiles` (eager,
+torch.compile per block) multiply the cases; the variants of one flavor x rank count run back
+to back, so their ratios ("vs base": tokens/s and peak memory over the same flavor and ranks
+with AC off, eager) compare runs made under the same machine load. `seq_len` and
+`global_batch` override the preset shapes (e.g. small at seq_len 4096, batch 1, for memory).
+
 Threads: the machine's cores are split evenly over the ranks (OMP_NUM_THREADS = cores / nproc),
 so 1 rank x 2 threads and 2 ranks x 1 thread use the same cores. The MFU denominator is
 therefore the whole machine: fp32 matmul FLOP/s measured in one process with torch threads =
@@ -24,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +49,16 @@ class CaseSpec:
     seq_len: int
     global_batch: int  # sequences per step, summed over ranks
     steps: int
+    ac: str = "off"  # train.activation_checkpointing
+    compile: bool = False  # train.compile
 
 
-def case_specs(quick: bool, steps: int | None) -> dict[str, CaseSpec]:
+def case_specs(
+    quick: bool, steps: int | None, seq_len: int | None = None, global_batch: int | None = None
+) -> dict[str, CaseSpec]:
     """Fixed shapes per flavor. small uses seq_len 512 > index_topk 256, so its attention is
-    DSA-sparse (the top-k path and the lightning indexer run)."""
+    DSA-sparse (the top-k path and the lightning indexer run). `seq_len` / `global_batch`
+    override every flavor's."""
     if quick:
         specs = {"tiny": CaseSpec("tiny", 256, 8, 12), "small": CaseSpec("small", 512, 2, 6)}
     else:
@@ -55,8 +66,19 @@ def case_specs(quick: bool, steps: int | None) -> dict[str, CaseSpec]:
     if steps is not None:
         if steps < 1:
             raise ValueError(f"--steps must be >= 1, got {steps}")
-        specs = {k: CaseSpec(s.flavor, s.seq_len, s.global_batch, steps) for k, s in specs.items()}
+        specs = {k: replace(s, steps=steps) for k, s in specs.items()}
+    for name, v in (("seq_len", seq_len), ("global_batch", global_batch)):
+        if v is not None:
+            if v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            specs = {k: replace(s, **{name: v}) for k, s in specs.items()}
     return specs
+
+
+def variant_name(spec: CaseSpec) -> str:
+    """'eager' / 'compile', with the activation checkpointing mode when it is not off."""
+    name = "compile" if spec.compile else "eager"
+    return name if spec.ac == "off" else f"{name}+ac-{spec.ac}"
 
 
 def _cpus() -> int:
@@ -100,6 +122,8 @@ def train_command(spec: CaseSpec, nproc: int, run_dir: Path) -> list[str]:
         "train.micro_batch_size": spec.global_batch // nproc,
         "train.grad_accum": 1,
         "train.eval_every": 1_000_000,
+        "train.activation_checkpointing": f'"{spec.ac}"',
+        "train.compile": str(spec.compile).lower(),
         "train.log_every": 1,
         "parallel.dp_shard": -1,
         "parallel.ep": nproc,
@@ -129,7 +153,7 @@ def run_case(
     """One `wanka train` subprocess; returns the case row (with "error" set if it failed)."""
     from wanka.config import load_config
 
-    run_dir = root / f"{spec.flavor}-n{nproc}"
+    run_dir = root / f"{spec.flavor}-n{nproc}-{variant_name(spec).replace('+', '-')}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     threads = max(1, _cpus() // nproc)
@@ -138,6 +162,8 @@ def run_case(
     row: dict[str, Any] = {
         "flavor": spec.flavor, "nproc": nproc, "dp": nproc, "ep": nproc,
         "threads_per_rank": threads, "seq_len": spec.seq_len,
+        "activation_checkpointing": spec.ac, "compile": spec.compile,
+        "variant": variant_name(spec),
         "micro_batch_size": spec.global_batch // nproc, "global_batch_seqs": spec.global_batch,
         "global_batch_tokens": spec.global_batch * spec.seq_len, "steps": spec.steps,
         "sparse_attention": spec.seq_len > cfg.index_topk,
@@ -192,22 +218,23 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def format_table(cases: list[dict[str, Any]]) -> str:
-    head = ("flavor", "ranks", "batch tok", "tokens/s", "step s", "peak MB/rank", "FLOPs/tok",
-            "GFLOP/s", "MFU", "2r/1r")  # fmt: skip
+    head = ("flavor", "ranks", "variant", "batch tok", "tokens/s", "step s", "peak MB/rank",
+            "FLOPs/tok", "GFLOP/s", "MFU", "2r/1r", "vs base tok/s", "vs base mem")  # fmt: skip
     rows = [head]
     for c in cases:
         if not c["ok"]:
-            rows.append((c["flavor"], str(c["nproc"]), str(c["global_batch_tokens"]), "FAILED",
-                         *["-"] * 6))  # fmt: skip
+            rows.append((c["flavor"], str(c["nproc"]), c.get("variant", "-"),
+                         str(c["global_batch_tokens"]), "FAILED", *["-"] * 8))  # fmt: skip
             continue
         rows.append((
-            c["flavor"], f"{c['nproc']} (dp{c['dp']}xep{c['ep']})",
+            c["flavor"], f"{c['nproc']} (dp{c['dp']}xep{c['ep']})", c.get("variant", "eager"),
             str(c["global_batch_tokens"]), _fmt(c["tokens_per_s"], ",.0f"),
             _fmt(c["step_time_s"], ".3f"), _fmt(c["peak_memory_mb"], ",.0f"),
             _fmt(c["flops_per_token"] / 1e6, ".2f") + "M",
             _fmt(c["achieved_flops"] / 1e9, ".2f"),
             _fmt(None if c["mfu"] is None else 100 * c["mfu"], ".1f") + "%",
             _fmt(c.get("speedup_vs_1_rank"), ".2f"),
+            _fmt(c.get("tokens_per_s_vs_base"), ".2f"), _fmt(c.get("peak_memory_vs_base"), ".2f"),
         ))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
@@ -222,8 +249,21 @@ def run_bench(
     flavors: tuple[str, ...] = FLAVORS,
     nprocs: tuple[int, ...] = NPROCS,
     peak_seconds: float = 2.0,
+    ac_modes: tuple[str, ...] = ("off",),
+    compiles: tuple[bool, ...] = (False,),
+    seq_len: int | None = None,
+    global_batch: int | None = None,
 ) -> dict[str, Any]:
-    specs = case_specs(quick, steps)
+    from wanka.distributed.activation_checkpoint import AC_MODES
+
+    for mode in ac_modes:
+        if mode not in AC_MODES:
+            raise ValueError(f"activation checkpointing mode {mode!r}: expected one of {AC_MODES}")
+    specs = case_specs(quick, steps, seq_len, global_batch)
+    if unknown := [f for f in flavors if f not in specs]:
+        raise ValueError(
+            f"no benchmark shape for flavor(s) {unknown}: expected some of {list(specs)}"
+        )
     root = out.parent / (out.stem + "_runs")
     cpus = _cpus()
     machine = machine_info()  # date = start of the benchmark
@@ -231,15 +271,18 @@ def run_bench(
     peak_before = measure_matmul_peak(peak_seconds, threads=cpus)
     cases: list[dict[str, Any]] = []
     timeout = 600.0 if quick else 1200.0
+    variants = [(c, ac) for c in compiles for ac in ac_modes]
     for flavor in flavors:
-        for nproc in nprocs:
-            spec = specs[flavor]
-            print(f"[{flavor} x {nproc} rank(s)] seq_len {spec.seq_len}, global batch "
-                  f"{spec.global_batch}, {spec.steps} steps ...", flush=True)  # fmt: skip
+        for nproc, (comp, ac) in ((n, v) for n in nprocs for v in variants):
+            spec = replace(specs[flavor], ac=ac, compile=comp)
+            print(f"[{flavor} x {nproc} rank(s), {variant_name(spec)}] seq_len {spec.seq_len}, "
+                  f"global batch {spec.global_batch}, {spec.steps} steps ...", flush=True)  # fmt: skip
             try:
                 row = run_case(spec, nproc, root, peak_before, timeout)
             except Exception as e:  # a broken case is reported, the others still run
                 row = {"flavor": flavor, "nproc": nproc, "ok": False, "error": repr(e),
+                       "activation_checkpointing": ac, "compile": comp,
+                       "variant": variant_name(spec),
                        "global_batch_tokens": spec.global_batch * spec.seq_len}  # fmt: skip
             if row["ok"]:
                 print(f"    {row['tokens_per_s']:,.0f} tok/s, step {row['step_time_s']:.3f} s",
@@ -252,10 +295,7 @@ def run_bench(
     for c in cases:  # MFU against the larger (less disturbed) peak measurement
         if c["ok"]:
             c["mfu"] = c["achieved_flops"] / peak
-    for c in cases:
-        one = next((o for o in cases if o["flavor"] == c["flavor"] and o["nproc"] == 1), None)
-        if c["ok"] and one is not None and one["ok"]:
-            c["speedup_vs_1_rank"] = c["tokens_per_s"] / one["tokens_per_s"]
+    add_ratios(cases)
     return {
         "machine": machine,
         "torch": torch.__version__,
@@ -271,8 +311,59 @@ def run_bench(
     }
 
 
-def bench_train_main(quick: bool, out: Path, steps: int | None) -> int:
-    result = run_bench(quick, out, steps)
+def add_ratios(cases: list[dict[str, Any]]) -> None:
+    """2r/1r: over the 1-rank case of the same flavor and variant. vs base: tokens/s and peak
+    memory over the same flavor and rank count with AC off, eager (when that case ran)."""
+
+    def find(flavor, nproc, ac, comp):
+        for o in cases:
+            if (o["ok"] and o["flavor"] == flavor and o["nproc"] == nproc
+                    and o.get("activation_checkpointing", "off") == ac
+                    and o.get("compile", False) == comp):  # fmt: skip
+                return o
+        return None
+
+    for c in cases:
+        if not c["ok"]:
+            continue
+        ac, comp = c.get("activation_checkpointing", "off"), c.get("compile", False)
+        one = find(c["flavor"], 1, ac, comp)
+        if one is not None:
+            c["speedup_vs_1_rank"] = c["tokens_per_s"] / one["tokens_per_s"]
+        base = find(c["flavor"], c["nproc"], "off", False)
+        if base is not None and base is not c:
+            c["tokens_per_s_vs_base"] = c["tokens_per_s"] / base["tokens_per_s"]
+            if c.get("peak_memory_mb") and base.get("peak_memory_mb"):
+                c["peak_memory_vs_base"] = c["peak_memory_mb"] / base["peak_memory_mb"]
+
+
+def _csv(text: str | None, cast=str) -> tuple | None:
+    return None if text is None else tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+
+
+COMPILE_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def bench_train_main(
+    quick: bool,
+    out: Path,
+    steps: int | None,
+    flavors: str | None = None,
+    nprocs: str | None = None,
+    ac: str = "off",
+    compile: str = "off",
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+) -> int:
+    """The CLI's entry: comma lists for flavors, rank counts and AC modes; compile is
+    off | on | both (both: eager and compiled side by side)."""
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
+    result = run_bench(
+        quick, out, steps, flavors=_csv(flavors) or FLAVORS, nprocs=_csv(nprocs, int) or NPROCS,
+        ac_modes=_csv(ac) or ("off",), compiles=COMPILE_CHOICES[compile], seq_len=seq_len,
+        global_batch=global_batch,
+    )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     m = result["machine"]

@@ -1,26 +1,69 @@
-"""Apply parallelism to a single-device model, in a fixed order: EP, then FSDP2."""
+"""Apply parallelism to a single-device model, in a fixed order: EP, compile, activation
+checkpointing, then FSDP2 (with its mixed-precision policy)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from wanka.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+)
+from wanka.distributed.compile import apply_compile
 from wanka.distributed.expert_parallel import apply_expert_parallel
 from wanka.distributed.parallel_dims import ParallelDims
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def parallelize(model: nn.Module, dims: ParallelDims) -> nn.Module:
+
+def mixed_precision_policy(
+    param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
+    """FSDP2 module-level mixed precision: parameters are all-gathered in `param_dtype` and
+    compute runs in it (no autocast); fp32 master weights, gradients and optimizer state stay
+    sharded; gradients are reduced (and accumulated across micro-batches) in `reduce_dtype`.
+
+    Forward inputs are not cast: the hidden state is already bf16 (it starts at the bf16
+    embedding) and the RoPE tables, also block inputs, stay fp32. The model computes in fp32
+    where it matters (RMSNorm statistics, RoPE, router scores, softmax, losses)."""
+    if reduce_dtype == param_dtype or (param_dtype is None and reduce_dtype == torch.float32):
+        reduce_dtype = None  # nothing to cast
+    return MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    ac_mode: str = "off",
+    compile: bool | str = False,
+) -> nn.Module:
     """Shard `model` in place. Gradients are SUMMED across ranks (divide factor 1): the trainer
     normalises every loss by global token counts, which keeps data-parallel and expert-parallel
-    gradients on one scale and makes N-rank runs match a 1-rank run on the same global batch."""
+    gradients on one scale and makes N-rank runs match a 1-rank run on the same global batch.
+
+    param_dtype: compute dtype (None = the parameters' own, fp32); with bf16 the caller must
+    not also autocast. reduce_dtype: gradient reduce-scatter dtype. ac_mode: off | full |
+    selective (distributed/activation_checkpoint.py). compile: torch.compile each block (True:
+    inductor; a string names another torch.compile backend, e.g. "eager" in tests)."""
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.mesh("ep"))
+    if compile:
+        apply_compile(model, ac_mode, "inductor" if compile is True else compile)
+    apply_activation_checkpointing(model, ac_mode)
+
+    mp = mixed_precision_policy(param_dtype, reduce_dtype)
     dp = dims.mesh("dp")
-    for block in [*model.layers.values(), *(m.block for m in model.mtp)]:
+    for block in checkpointed_blocks(model):
         if block.moe is not None and dims.ep_enabled:
-            fully_shard(block.moe.experts, mesh=dims.mesh("dp_mod_ep"), reshard_after_forward=True)
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
+            fully_shard(block.moe.experts, mesh=dims.mesh("dp_mod_ep"), reshard_after_forward=True,
+                        mp_policy=mp)  # fmt: skip
+        fully_shard(block, mesh=dp, mp_policy=mp)
+    fully_shard(model, mesh=dp, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

@@ -29,7 +29,7 @@ from wanka.device import (
     resolve_device_type,
 )
 from wanka.distributed.parallel_dims import ParallelDims
-from wanka.distributed.parallelize import parallelize
+from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
 from wanka.train.checkpoint import Checkpointer, SaveSchedule
@@ -101,7 +101,9 @@ def setup(cfg: JobConfig) -> Job:
     model.to_empty(device=device)
     model.init_weights(cfg.train.seed)
     n_indexers = sum(blk.attention.indexer is not None for blk in model.layers.values())
-    parallelize(model, dims)
+    parallelize(model, dims, param_dtype=autocast_dtype(device_type, cfg.train.mixed_precision),
+                reduce_dtype=DTYPES[cfg.train.reduce_dtype],
+                ac_mode=cfg.train.activation_checkpointing, compile=cfg.train.compile)  # fmt: skip
     try:
         optimizer = build_optimizer(model, cfg.train)
     except ValueError as e:  # torch's own checks, should a value slip past the schema's
@@ -246,13 +248,12 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
     (all-reduced, so every rank can judge the step alike) and the clipped global grad norm."""
     cfg, model, rt = job.cfg, job.model, job.runtime
     sums = torch.zeros(6, dtype=torch.float64)  # lm, mtp, kl, balance, seq balance, injected
-    amp = autocast_dtype(job.device.type, cfg.train.mixed_precision)
     for i, b in enumerate(micro):
         # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
         model.set_requires_gradient_sync(i == len(micro) - 1)
         rt.progress.enter("forward", step)
-        with torch.autocast(job.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
+        # bf16 compute comes from FSDP's mixed-precision policy (set in parallelize), not autocast.
+        parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
         kl = parts.kl_sum / n_kl
         if phase == "dense_warmup":
             loss = kl  # only the indexer learns

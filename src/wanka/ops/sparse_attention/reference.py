@@ -2,14 +2,33 @@
 
 It materialises the gathered [B, L, K, D] keys and values, which is what the fast backends
 (a separate issue) must avoid; it is the definition of correct.
+
+Index contract (every backend): indices [B, L, K] int64, -1 = empty slot, anywhere in a row.
+Each valid slot is one term of the softmax: a key selected in two slots of one query counts
+twice (per-slot semantics; the indexer's top-k never repeats a key, other callers may).
+Empty slots contribute nothing: they read a zero row appended to K and V, never a real row,
+and their scores are replaced by -inf, so a non-finite value in one document cannot reach
+another document's queries (forward or backward).
 """
 
 from __future__ import annotations
 
 import torch
 
-from wanka.ops.dense_attention.reference import gather_rows
 from wanka.ops.registry import register
+
+
+def gather_selected(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [B, L, D], indices [B, L, K] (-1 = empty) -> [B, L, K, D]; empty slots read zeros.
+
+    x gets a zero row L appended, which the empty slots gather: the same one gather as
+    reading row 0, but no value of x reaches them (where / multiplication by a zero weight
+    would not do: inf * 0 is NaN)."""
+    B, L, K = indices.shape
+    D = x.shape[-1]
+    padded = torch.cat([x, x.new_zeros(B, 1, D)], dim=1)
+    flat = indices.masked_fill(indices < 0, L).reshape(B, L * K)
+    return torch.gather(padded, 1, flat[..., None].expand(B, L * K, D)).view(B, L, K, D)
 
 
 @register("sparse_attention", "reference")
@@ -19,9 +38,10 @@ def sparse_attention(
     """q [B, L, H, D]; k, v [B, L, D]; indices [B, L, K] int64 (-1 = empty slot) -> [B, L, H, D].
 
     Callers guarantee every valid index is a key the query may see and that each row has at
-    least one valid slot (the indexer always finds the query itself visible).
+    least one valid slot (the indexer always finds the query itself visible). Duplicate
+    indices are allowed and count once per slot (see the module docstring).
     """
-    k_sel, v_sel = gather_rows(k, indices), gather_rows(v, indices)
+    k_sel, v_sel = gather_selected(k, indices), gather_selected(v, indices)
     scores = torch.einsum("blhd,blkd->blhk", q, k_sel) * scale
     scores = scores.masked_fill((indices < 0)[:, :, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
