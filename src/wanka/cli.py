@@ -146,7 +146,8 @@ def _bench_moe(args: argparse.Namespace) -> int:
 def _bench_ops(args: argparse.Namespace) -> int:
     from wanka.bench.ops import bench_ops_main
 
-    return bench_ops_main(args.quick, Path(args.out), args.budget_gib)
+    threads = tuple(int(x) for x in args.threads.split(",")) if args.threads else None
+    return bench_ops_main(args.quick, Path(args.out), args.budget_gib, threads=threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget-gib", type=float, default=12.0, help="skip cases estimated above this"
     )
     bo.add_argument("--out", default="runs/bench/ops.json", help="JSON result file")
+    bo.add_argument("--threads", default="",
+                    help="torch thread counts, e.g. 1,4 (default: 1 and all cores)")  # fmt: skip
     bo.set_defaults(fn=_bench_ops)
     _show_defaults(p)
     return p

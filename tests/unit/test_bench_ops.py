@@ -16,8 +16,9 @@ from wanka.config.schema import ModelConfig
         dict(op="sparse_attention", backend="cpu", L=96, k=16, H=2, D=8, pattern="realistic"),
         dict(op="sparse_attention", backend="cpu", L=96, k=16, H=2, D=8, pattern="random"),
         dict(op="sparse_attention", backend="cpu", L=160, k=16, H=2, D=8, pattern="block"),
-        dict(op="sparse_attention", backend="cpu", L=96, k=16, H=2, D=8, pattern="packed",
-             threads=1),  # fmt: skip
+        dict(
+            op="sparse_attention", backend="cpu", L=96, k=16, H=2, D=8, pattern="packed", threads=1
+        ),  # fmt: skip
         dict(op="dense_attention", backend="cpu", L=96, H=2, D=8),
         dict(op="lightning_indexer", backend="cpu", L=96, k=16, Hi=2, Di=8),
     ],
