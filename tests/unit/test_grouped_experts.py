@@ -28,6 +28,8 @@ def _run(backend, tokens, counts, ws, grad=None):
     """Output and gradients of (tokens, w1, w3, w2) with one backend."""
     leaves = [t.detach().clone().requires_grad_() for t in (tokens, *ws)]
     y = registry.backends(OP)[backend].fn(leaves[0], counts, *leaves[1:])
+    # a view returned from an FSDP2-wrapped module makes FSDP warn on every step
+    assert y._base is None, f"{backend} returned a view"
     if grad is None:
         y.sum().backward()  # a stride-0 output gradient
     else:

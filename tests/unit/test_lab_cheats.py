@@ -15,7 +15,7 @@ from wanka.lab.evaluator import EvalConfig, evaluate
 from wanka.lab.task import Shape
 from wanka.lab.tasks import get_task
 
-CFG = EvalConfig(timeout_s=60, repeats=4, baseline_repeats=2)
+CFG = EvalConfig(timeout_s=60, repeats=4)
 NO_POLICY = dataclasses.replace(CFG, static_policy=False)
 HEAD = "import torch\nfrom wanka.lab.tasks.rmsnorm import reference\n"
 
@@ -102,7 +102,7 @@ def kernel(x, weight, eps):
     return reference(x, weight, eps)
 """,
         "policy",
-        {"rejected"},
+        {"harmless"},  # the clock is in the evaluator's process, not this one
     ),
     # monkey-patched reference: the definition of correct replaced by the candidate's answer
     "patched_reference": (
@@ -166,7 +166,7 @@ def kernel(x, weight, eps):
     return reference(x, weight, eps)
 """,
         "policy",
-        {"rejected"},
+        {"harmless"},  # there are no durations in the candidate's process to rewrite
     ),
     # result forged in the job folder (found via __file__) through torch.os, then a clean exit
     "forged_result_file": (
@@ -223,23 +223,31 @@ def test_cheat_is_rejected(name):
         fb = evaluate(task(), src, CFG)
         assert fb.status == "policy", (name, fb.status, fb.message)
     fb = evaluate(task(), src, NO_POLICY)
+    if "harmless" in runtime:  # no effect on the verdict: credited about 1x, never inflated
+        assert not fb.correct or fb.speedup < 2.0, (name, fb.summary())
+        return
     assert not fb.correct, (name, fb.message)
     assert fb.status in runtime, (name, fb.status, fb.message)
 
 
 def test_specific_guards_fire():
-    """The runtime guard meant for each cheat is the one that fires (not a lucky error)."""
-    flags = {n: evaluate(task(), CHEATS[n][0], NO_POLICY) for n in
-             ("cached_by_pointer", "lazy_tensor", "patched_timer", "writes_into_inputs",
-              "implausible_speed")}  # fmt: skip
-    assert "stale" in flags["cached_by_pointer"].flags
-    assert "lazy" in flags["lazy_tensor"].flags
-    assert (
-        "tamper" in flags["patched_timer"].flags
-        and "perf_counter" in flags["patched_timer"].message
-    )
-    assert "input_write" in flags["writes_into_inputs"].flags
-    assert "implausible" in flags["implausible_speed"].flags
+    """The runtime check meant for each cheat is the one that fires (not a lucky error)."""
+    fbs = {n: evaluate(task(), CHEATS[n][0], NO_POLICY) for n in
+           ("cached_by_pointer", "lazy_tensor", "writes_into_inputs")}  # fmt: skip
+    stale = fbs["cached_by_pointer"]
+    assert stale.status == "incorrect" and "max abs error" in stale.message, stale.summary()
+    assert "lazy" in fbs["lazy_tensor"].flags
+    assert "input_write" in fbs["writes_into_inputs"].flags
+
+
+def test_roofline_rejects_a_time_below_the_physical_bound():
+    """A task whose minimal FLOPs would take seconds at the trusted server's measured peak:
+    an honest millisecond candidate is then 'faster than physically plausible'."""
+    t = dataclasses.replace(task(), flops=lambda d: 1e15)
+    src = HEAD + "def kernel(x, weight, eps):\n    return reference(x, weight, eps)\n"
+    fb = evaluate(t, src, CFG)
+    assert fb.status == "rejected" and "implausible" in fb.flags, fb.summary()
+    assert fb.details["roofline_s"] > 1.0
 
 
 def test_shape_specialised_candidate_fails_the_held_out_check():
@@ -296,6 +304,13 @@ BAD_ATTRIBUTE_SOURCES = [  # modules and the interpreter reached through attribu
     "import torch\ndef kernel(x):\n    kernel.__dict__['y'] = 1\n    return x\n",
     "import torch\nb = torch.builtins\ndef kernel(x):\n    return x\n",
     "import torch\ni = torch.importlib\ndef kernel(x):\n    return x\n",
+    # aliasing: a forbidden builtin taken as a value hides every later use from call checks
+    "E = exec\ndef kernel(x):\n    return x\n",
+    "import functools\ng = functools.partial(getattr, 1)\ndef kernel(x):\n    return x\n",
+    "import operator\nf = operator.methodcaller('x')\ndef kernel(x):\n    return x\n",
+    "from operator import attrgetter\ndef kernel(x):\n    return x\n",
+    "M = type('M', (object,), {'__torch' + '_function__': 1})\ndef kernel(x):\n    return x\n",
+    "import wanka.ops\nw = wanka.lab\ndef kernel(x):\n    return x\n",
 ]
 
 
@@ -316,73 +331,57 @@ def test_task_templates_and_baselines_pass_the_policy():
             assert check_source(t.space.template) == [], t.name
 
 
-def _forge(jobdir, samples: int, exitcode: int = 0, **over) -> dict:
-    """Stand-in for the fork server: a result written by someone other than the worker."""
-    import json
-    from pathlib import Path
-
-    import torch
-
-    d = Path(jobdir)
-    job = json.loads((d / "job.json").read_text())
-    data = torch.load(d / "inputs.pt", weights_only=True)
-    ref = task().reference_fn()
-    check = [(ref(*s["inputs"].values()),) for s in data["check"]]
-    smp = []
-    for i in range(samples):  # genuine re-verifiable samples
-        from wanka.lab import worker
-
-        inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                  for k, v in data["timing"][0]["inputs"].items()}  # fmt: skip
-        worker.refresh(inputs, job["structural"], 1234 + i)
-        smp.append({"set": 0, "seed": 1234 + i, "outs": [ref(*inputs.values())]})
-    torch.save({"check": check, "samples": smp}, d / "outputs.pt")
-    n = job["repeats"]
-    res = {"flags": [], "status": "ran", "peaks": {"flops": 1e18, "bytes_per_s": 1e18},
-           "baseline_pre": 1e-2, "baseline_side": 1e-2, "baseline_all": [1e-2] * n,
-           "candidate": {"median_s": 1e-3, "all_s": [1e-3] * n, "loop_s": 1.0, "recorded_s": 1.0}}  # fmt: skip
-    res.update(over)
-    (d / "result.json").write_text(json.dumps(res))
-    return {"exitcode": exitcode, "timeout": False}
-
-
-@pytest.mark.parametrize(
-    "samples,exitcode,over",
-    [(0, 0, {}), (1, 0, {}), (2, 1, {}), (2, 0, {"baseline_all": [1e-2]}), (2, -9, {})],
+FORGER = (
+    HEAD
+    + """import gc, json, socket
+def kernel(x, weight, eps):
+    out = reference(x, weight, eps)
+    for o in gc.get_objects():  # the server's socket: answer before the server does
+        if isinstance(o, socket.socket) and o.fileno() >= 0:
+            try:
+                o.send(json.dumps({"ok": True, "outs": [MODE]}).encode())
+            except OSError:
+                pass
+    return out
+"""
 )
-def test_forged_or_truncated_result_is_rejected(monkeypatch, samples, exitcode, over):
-    """The parent trusts a result only from a clean exit with exactly the timings and
-    re-verifiable samples the job asked for."""
-    from wanka.lab import evaluator
-
-    src = HEAD + "def kernel(x, weight, eps):\n    return reference(x, weight, eps)\n"
-    monkeypatch.setattr(evaluator._Zygote, "run",
-                        classmethod(lambda cls, job: _forge(job["jobdir"], samples, exitcode, **over)))  # fmt: skip
-    fb = evaluate(task(), src, CFG)
-    assert fb.status == "rejected" and "result incomplete" in fb.message, fb
-    monkeypatch.setattr(evaluator._Zygote, "run",
-                        classmethod(lambda cls, job: _forge(job["jobdir"], 2)))  # fmt: skip
-    assert evaluate(task(), src, CFG).correct  # the same forgery, complete, would pass
 
 
-def test_grandchild_dies_with_the_candidate(monkeypatch, tmp_path):
-    """A process the candidate leaves behind is killed with its process group, and it never
-    held the fork server's job pipe (stdin is /dev/null)."""
+@pytest.mark.parametrize("mode", [
+    "{'dtype': 'float32', 'shape': [1 << 30, 1 << 10], 'offset': 0}",  # outside the buffer
+    "{'dtype': 'float32', 'shape': [16, 64], 'offset': 0}",  # the inputs, as outputs
+    "{'dtype': 'object', 'shape': [1], 'offset': 64}",  # no such dtype
+    "{'dtype': 'float32', 'shape': [16, 64], 'offset': 3}",  # misaligned
+])  # fmt: skip
+def test_forged_replies_from_the_candidate_process_are_rejected(mode):
+    """Only JSON comes back, and every field of it is validated; an early or extra reply is a
+    protocol violation, never a result."""
+    src = FORGER.replace("MODE", mode)
+    fb = evaluate(task(), src, NO_POLICY)
+    assert not fb.correct, fb.summary()
+    assert fb.status in ("rejected", "incorrect"), fb.summary()
+
+
+def test_server_left_behind_processes_die_with_it(monkeypatch, tmp_path):
+    """A process a server leaves behind is killed with its process group when it is reaped,
+    and it never held the fork server's control socket (stdin is /dev/null)."""
     import os
+    import socket
     import subprocess
     import time
 
     from wanka.lab import zygote
 
-    def child_main(jobdir, mem, cpu, threads):
+    def start(sock, spec):
         p = subprocess.Popen(["sleep", "60"], start_new_session=False)
         stdin = os.readlink("/proc/self/fd/0")
         (tmp_path / "pid").write_text(f"{p.pid} {stdin}")
 
-    monkeypatch.setattr(zygote.worker, "child_main", child_main)
-    r = zygote._serve_one({"jobdir": str(tmp_path), "mem": 0, "cpu": 10, "threads": 1,
-                           "timeout": 30})  # fmt: skip
-    assert r == {"exitcode": 0, "timeout": False}
+    monkeypatch.setattr(zygote.worker, "start", start)
+    ctl, _other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = zygote._spawn(ctl, {}, os.dup(theirs.fileno()))
+    assert zygote._reap(pid, grace_s=10.0) == 0
     pid, stdin = (tmp_path / "pid").read_text().split()
     assert stdin == os.devnull
     for _ in range(100):  # killed; at most a zombie until init reaps it

@@ -12,7 +12,7 @@ from wanka.lab.evaluator import EvalConfig, compare, evaluate
 from wanka.lab.task import Shape
 from wanka.lab.tasks import get_task
 
-FAST = EvalConfig(timeout_s=60, repeats=3, baseline_repeats=2)
+FAST = EvalConfig(timeout_s=60, repeats=3)
 
 
 def small_rmsnorm(mode: str = "fwd_bwd"):
@@ -118,6 +118,48 @@ def test_memory_limit_applies_to_the_candidate():
     fb = evaluate(small_rmsnorm(), src, dataclasses.replace(FAST, memory_gib=3))
     assert not fb.correct
     assert "memory" in (fb.message + fb.details.get("traceback", "")).lower()
+
+
+def test_cpu_spent_between_calls_is_rejected():
+    """A helper thread that burns CPU while the candidate is not being called (precomputing,
+    or slowing the baseline down on a shared core) shows in the process's CPU clock."""
+    src = REF + (
+        "import _thread\n"
+        "def _burn():\n"
+        "    x = 0\n"
+        "    while True:\n"
+        "        x += 1\n"
+        "_thread.start_new_thread(_burn, ())\n"
+        "def kernel(x, weight, eps):\n"
+        "    return reference(x, weight, eps)\n"
+    )
+    fb = evaluate(small_rmsnorm("fwd"), src, dataclasses.replace(FAST, static_policy=False))
+    assert fb.status == "rejected" and "cpu" in fb.flags, fb.summary()
+
+
+def test_honest_verdict_records_how_it_was_measured():
+    """Every verdict says whether the candidate was isolated; a timed one which clock it
+    used and how much CPU the candidate's process spent inside and outside its calls."""
+    from wanka.lab import sandbox
+
+    fb = evaluate(small_rmsnorm("fwd"), REF + "kernel = reference\n", FAST)
+    assert fb.correct, fb.summary()
+    iso = fb.details["isolation"]
+    assert iso == "sandbox" if sandbox.unavailable_reason() is None else iso.startswith("none")
+    assert fb.details["clock"] == "cpu"  # single-thread CPU task
+    assert 0 < fb.details["cpu_in_calls_s"] <= 1.15 * fb.details["timed_wall_s"] + 0.02
+    assert abs(fb.details["cpu_outside_calls_s"]) < 0.02
+
+
+def test_isolate_true_without_a_sandbox_is_unavailable(monkeypatch):
+    from wanka.lab import servers
+
+    monkeypatch.setattr(servers.Zygote, "isolation_unavailable", classmethod(lambda c: "no root"))
+    fb = evaluate(small_rmsnorm("fwd"), REF + "kernel = reference\n",
+                  dataclasses.replace(FAST, isolate=True))  # fmt: skip
+    assert fb.status == "unavailable" and "no root" in fb.message
+    fb = evaluate(small_rmsnorm("fwd"), REF + "kernel = reference\n", FAST)  # auto: falls back
+    assert fb.correct and fb.details["isolation"] == "none (no root)"
 
 
 def test_compare_rules():

@@ -88,7 +88,7 @@ def test_llm_run_with_scripted_answers(tmp_path, small_task):
     try:
         prop = LLMProposer(srv.url, "stand-in-model", api_key="sekrit")
         store = Store(tmp_path / "h.sqlite")
-        cfg = RunConfig(budget=3, eval=EvalConfig(repeats=3, baseline_repeats=2))
+        cfg = RunConfig(budget=3, eval=EvalConfig(repeats=3))
         out = run_task(small_task, prop, store, cfg, log=lambda s: None)
     finally:
         srv.close()
@@ -111,7 +111,7 @@ def test_prompt_quotes_the_best_candidates_so_far(tmp_path, small_task):
     try:
         store = Store(tmp_path / "h.sqlite")
         run_task(small_task, LLMProposer(srv.url, "m"), store,
-                 RunConfig(budget=2, eval=EvalConfig(repeats=3, baseline_repeats=2)),
+                 RunConfig(budget=2, eval=EvalConfig(repeats=3)),
                  log=lambda s: None)  # fmt: skip
     finally:
         srv.close()

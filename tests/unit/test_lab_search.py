@@ -73,7 +73,7 @@ def test_search_run_on_a_real_task_within_budget(tmp_path):
         held_out=(Shape("h", {"N": 5, "D": 24}),), held_out_timing=Shape("ht", {"N": 600, "D": 384}),
     )  # fmt: skip
     store = Store(tmp_path / "h.sqlite")
-    cfg = RunConfig(budget=5, eval=EvalConfig(repeats=3, baseline_repeats=2))
+    cfg = RunConfig(budget=5, eval=EvalConfig(repeats=3))
     out = run_task(task, SearchProposer(seed=0), store, cfg, log=lambda s: None)
     hist = store.candidates(out["run_id"])
     assert len(hist) == 5 and out["evaluations"] == 5

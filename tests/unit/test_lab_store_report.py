@@ -18,7 +18,7 @@ from wanka.lab.task import LabError, Shape
 from wanka.lab.tasks import get_task
 from wanka.ops import registry
 
-EVAL = EvalConfig(repeats=3, baseline_repeats=2)
+EVAL = EvalConfig(repeats=3)
 
 
 def small(name: str):
@@ -113,7 +113,8 @@ def test_fast_p_definition():
 
 def test_export_registers_a_working_backend(history, tmp_path, monkeypatch):
     db, task = history
-    path = export(Store(db), "rmsnorm-cpu", tmp_path / "lab_rmsnorm.py", backend="labtest")
+    path = export(Store(db), "rmsnorm-cpu", tmp_path / "lab_rmsnorm.py", backend="labtest",
+                  eval_cfg=EVAL, task=task)  # fmt: skip
     spec = importlib.util.spec_from_file_location("lab_rmsnorm_export", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -8,6 +8,34 @@ import json
 from pathlib import Path
 
 DEFAULT_DB = "runs/lab/history.sqlite"
+UNSAFE_HELP = (
+    "run untrusted code even when OS isolation is unavailable here; the candidate then runs "
+    "with your user's rights (rlimits and an audit hook only)"
+)
+
+
+def _isolation_unavailable() -> str | None:
+    """Why OS isolation of candidates is unavailable here (None when it works)."""
+    try:
+        from wanka.lab.sandbox import unavailable_reason
+    except ImportError as e:
+        if e.name == "wanka.lab.sandbox":
+            return "wanka.lab.sandbox missing"
+        return f"wanka.lab.sandbox does not import: {e}"
+    return unavailable_reason()
+
+
+def _isolation(a: argparse.Namespace, what: str | None) -> None:
+    """Refuse to run untrusted code (`what`; None: trusted) without OS isolation unless
+    --unsafe-no-isolation. The evaluator isolates whenever it can, flag or not."""
+    from wanka.lab.task import LabError
+
+    if a.unsafe_no_isolation:
+        return
+    why = _isolation_unavailable() if what else None
+    if why:
+        raise LabError(f"refusing to run {what} without OS isolation ({why}); "
+                       "pass --unsafe-no-isolation to run it anyway")  # fmt: skip
 
 
 def _budget(text: str) -> int:
@@ -68,6 +96,8 @@ def _run(a: argparse.Namespace) -> int:
         from wanka.lab.task import LabError
 
         raise LabError(f"task {task.name} cannot be timed here: {why}")
+    # The llm proposer's candidates are untrusted code; search renders trusted templates.
+    _isolation(a, f"proposer {a.proposer}" if a.proposer == "llm" else None)
     proposer = _proposer(a)
     store = Store(a.db)
     cfg = RunConfig(budget=budget, eval=_eval_config(a), resume=not a.new, run_id=a.resume)
@@ -90,6 +120,7 @@ def _eval(a: argparse.Namespace) -> int:
 
     task = get_task(a.task)
     src = Path(a.file).read_text()
+    _isolation(a, f"candidate file {a.file}")
     fb = evaluate(task, src, _eval_config(a))
     print(json.dumps(fb.to_dict(), indent=1) if a.json_out else fb.summary())
     if fb.correct and a.held_out:
@@ -115,17 +146,19 @@ def _report(a: argparse.Namespace) -> int:
 
 
 def _export(a: argparse.Namespace) -> int:
-    from wanka.lab.report import export
+    from wanka.lab.report import export, read_provenance
     from wanka.lab.store import Store
 
     if not Path(a.db).exists():
         raise FileNotFoundError(f"no lab history at {a.db} (run `wanka lab run` first)")
     out = Path(a.out or f"runs/lab/export/{a.task.replace('-', '_')}_{a.name}.py")
-    path = export(
-        Store(a.db), a.task, out, backend=a.name, priority=a.priority, candidate=a.candidate
-    )
-    print(f"wrote {path}: import it to register backend {a.name!r} (force it with "
-          f"WANKA_OPS_BACKEND=<op>={a.name})")  # fmt: skip
+    path = export(Store(a.db), a.task, out, backend=a.name, priority=a.priority,
+                  candidate=a.candidate, recheck=not a.no_recheck, eval_cfg=_eval_config(a))  # fmt: skip
+    p = read_provenance(path) or {}
+    sp = p.get("held_out_speedup_recheck")
+    check = f"held-out re-check {sp:.2f}x" if isinstance(sp, float) else "held-out re-check skipped"
+    print(f"wrote {path}: candidate {p.get('candidate')}, {check}; import it to register backend "
+          f"{a.name!r} (force it with WANKA_OPS_BACKEND=<op>={a.name})")  # fmt: skip
     return 0
 
 
@@ -161,6 +194,8 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--temperature", type=float, default=0.2, help="llm proposer sampling temperature"
     )
+    r.add_argument("--unsafe-no-isolation", action="store_true",
+                   help="--proposer llm: " + UNSAFE_HELP)  # fmt: skip
     r.set_defaults(fn=_run)
 
     e = sub.add_parser("eval", parents=[ev], help="evaluate one candidate file")
@@ -168,6 +203,7 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("file", help="candidate source file")
     e.add_argument("--held-out", action="store_true", help="also run the held-out check")
     e.add_argument("--json", dest="json_out", action="store_true", help="print the verdict as JSON")
+    e.add_argument("--unsafe-no-isolation", action="store_true", help=UNSAFE_HELP)
     e.set_defaults(fn=_eval)
 
     p = sub.add_parser("report", parents=[db], help="leaderboard, fast_p, best-so-far PNG")
@@ -179,7 +215,8 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fast_p suite (default: every task runnable here plus those with runs)")  # fmt: skip
     p.set_defaults(fn=_report)
 
-    x = sub.add_parser("export", parents=[db], help="best candidate -> op registry backend module")
+    x = sub.add_parser("export", parents=[db, ev], help="best candidate -> op registry backend "
+                       "module, after checking the record and re-running its held-out check")  # fmt: skip
     x.add_argument("task", help="a task name from wanka lab tasks")
     x.add_argument("--name", default="lab", help="backend name (default lab)")
     x.add_argument(
@@ -189,4 +226,7 @@ def add_lab_parser(subparsers: argparse._SubParsersAction) -> None:
         "--candidate", type=int, default=None, help="candidate id (default: best verified)"
     )
     x.add_argument("--out", default=None, help="file to write (default: the op package)")
+    x.add_argument("--no-recheck", action="store_true",
+                   help="skip re-running the held-out check (for a task that cannot be timed "
+                   "here); the record's MAC, source hash and the source policy are still checked")  # fmt: skip
     x.set_defaults(fn=_export)

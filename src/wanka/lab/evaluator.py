@@ -1,35 +1,43 @@
-"""The evaluator: one candidate, one fresh process, a verdict that is hard to fool.
+"""The evaluator: one candidate, a verdict the candidate's process cannot fool.
 
-Parent side (this module): the static policy; inputs drawn from a seed this process keeps
-(fresh per evaluation unless a test pins it); reference outputs and gradients computed here,
-never in the candidate's process; the child's outputs compared with tolerances (NaN never
-passes, non-finite positions must match exactly); a few timed calls re-verified (a cached or
-pointer-keyed result fails there); timing records checked against the loop's wall time; the
-speedup taken from baseline/candidate pairs timed back to back; and speed checked against a
-roofline bound (FLOPs and bytes over the peaks measured in the same child).
-Child side: worker.py, in a process forked per candidate by zygote.py. Limits: wall time
-(SIGKILL), address space (RLIMIT_AS, CPU only: CUDA maps far more virtual memory than it
-uses), CPU seconds.
+Everything that decides a verdict happens in this process: the static policy; inputs drawn
+from a seed kept here; the reference outputs of the correctness sets; the clock; the check of
+every timed call's outputs; the CPU time the candidate's process used; the roofline bound.
+The candidate runs in a kernel server of its own (worker.py, forked by zygote.py), isolated
+by sandbox.py where the OS allows it, which only ever answers "call" messages: it reads the
+inputs this process wrote into its shared memory and writes its outputs back before it
+replies. The baseline (and the reference, where it differs) runs in a second, trusted server
+under the same conditions, timed interleaved with the candidate (alternating order), on the
+same freshly drawn inputs; the speed-up is the median of the per-round ratios.
+
+What the candidate's process says is never believed: its timings do not exist (the clock is
+here, around send -> reply), its outputs are compared with the trusted server's for every
+call including warm-up, inputs are redrawn from a fresh seed before every call (a cache never
+hits), its inputs must be unchanged and its outputs must not change after the reply, and its
+CPU time is read from the host's /proc: work done outside the timed calls or on more threads
+than the task allows is rejected.
 """
 
 from __future__ import annotations
 
-import atexit
-import json
+import math
 import os
 import secrets
 import shutil
-import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from wanka.lab import worker
 from wanka.lab.policy import check_source
+from wanka.lab.servers import Server, Zygote, python_path
+from wanka.lab.shm import nbytes_of
 from wanka.lab.task import Shape, Task
+from wanka.lab.verdict import Feedback, Verdict, reject
 
 
 @dataclass(frozen=True)
@@ -38,51 +46,14 @@ class EvalConfig:
     memory_gib: float = 8.0
     warmup: int = 2  # >= rotation: every set is seen once before the clock runs
     repeats: int = 5
-    baseline_repeats: int = 2  # clean timing before the candidate is imported (drift check)
     check_sets: int = 2  # fresh random input sets per shape
     rotation: int = 2  # timing input sets cycled through
-    verify_samples: int = 2  # timed calls re-verified against the reference
     static_policy: bool = True
     roofline_slack: float = 2.0  # reject when faster than roofline bound / slack
     timing: bool = True
-
-
-@dataclass
-class Feedback:
-    status: str  # correct|incorrect|rejected|policy|import_error|error|crash|timeout|unavailable
-    message: str = ""
-    time_s: float | None = None
-    baseline_s: float | None = None
-    reference_s: float | None = None
-    flags: list[str] = field(default_factory=list)
-    details: dict = field(default_factory=dict)
-
-    @property
-    def correct(self) -> bool:
-        return self.status == "correct"
-
-    @property
-    def speedup(self) -> float | None:
-        return self.baseline_s / self.time_s if self.time_s and self.baseline_s else None
-
-    @property
-    def reference_speedup(self) -> float | None:
-        return self.reference_s / self.time_s if self.time_s and self.reference_s else None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Feedback:
-        return cls(**d)
-
-    def summary(self) -> str:
-        if self.correct and self.time_s:
-            return (f"correct; {self.time_s * 1e3:.2f} ms vs baseline {self.baseline_s * 1e3:.2f} ms"
-                    f" (speedup {self.speedup:.2f}x)")  # fmt: skip
-        text = f"{self.status}: {self.message}"
-        tb = self.details.get("traceback")
-        return text + (f"\n{tb}" if tb else "")
+    isolate: bool | None = None  # None: the sandbox where it works, else rlimits + audit hook
+    hide: tuple[str, ...] = ()  # more paths the candidate must not see (the lab history's dir)
+    cpu_slack: float = 1.15  # CPU time allowed per timed wall second and thread
 
 
 def _names(task: Task, n_out: int) -> list[str]:
@@ -123,44 +94,68 @@ def compare(ref, cand, names: list[str], atol: float, rtol: float) -> tuple[bool
     return True, "", worst
 
 
-def _draw_grads(gen: torch.Generator):
-    def rule(outs):
-        return [torch.randn(o.shape, generator=gen).to(o.device, o.dtype)
-                .masked_fill(~torch.isfinite(o.detach()), 0.0) if o.is_floating_point() else None
-                for o in outs]  # fmt: skip
-
-    return rule
+def _reference(task: Task, inputs: dict, seed: int, pool: torch.Tensor) -> tuple:
+    return worker.call(task.reference_fn(), inputs, task.mode, list(task.grad_inputs),
+                       lambda o: worker.grad_rule(o, seed, pool))  # fmt: skip
 
 
-def _reference(task: Task, inputs: dict, grad_out) -> tuple:
-    return worker.call(task.reference_fn(), inputs, task.mode, list(task.grad_inputs), grad_out)
+def _compare(task: Task, ref, got, n_out: int, inputs: dict):
+    if task.compare is not None:
+        return task.compare(ref, got, inputs, task.tolerance)
+    return compare(ref, got, _names(task, n_out), task.tolerance.atol, task.tolerance.rtol)
 
 
-class _Zygote:
-    """Parent's handle on the fork server (zygote.py), started on first use."""
+def _to(inputs: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
-    proc: subprocess.Popen | None = None
 
-    @classmethod
-    def run(cls, job: dict) -> dict:
-        if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, "-m", "wanka.lab.zygote"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-            atexit.register(cls.close)
-        cls.proc.stdin.write(json.dumps(job) + "\n")
-        cls.proc.stdin.flush()
-        line = cls.proc.stdout.readline()
-        if not line:
-            cls.close()
-            raise RuntimeError("the lab's fork server died")
-        return json.loads(line)
+def _largest(inputs: dict) -> int:
+    return max((v.numel() for v in inputs.values() if isinstance(v, torch.Tensor)), default=0)
 
-    @classmethod
-    def close(cls) -> None:
-        if cls.proc is not None and cls.proc.poll() is None:
-            cls.proc.stdin.close()
-            cls.proc.wait(timeout=10)
-        cls.proc = None
+
+def _input_bytes(inputs: dict) -> int:
+    return sum(nbytes_of(v) for v in inputs.values() if isinstance(v, torch.Tensor))
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+_SYSTEM = {"/", "/usr", "/lib", "/lib64", "/bin", "/sbin", "/etc", "/dev", "/proc", "/sys", "/var",
+           "/opt", "/run"}  # fmt: skip
+
+
+def _paths(cfg: EvalConfig, jobdir: Path) -> tuple[list[str], list[str]]:
+    """What the sandbox hides (the caller's folders, home, the project, the history) and
+    exposes again (the interpreter and the import path), never re-exposing a hidden secret."""
+    import wanka
+
+    pkg = Path(wanka.__file__).resolve().parent
+    secret = {os.getcwd(), str(jobdir), *cfg.hide}
+    hide = secret | {os.path.expanduser("~"), "/root", "/home"}
+    if (pkg.parents[1] / "pyproject.toml").exists():
+        hide.add(str(pkg.parents[1]))
+    hide = {os.path.realpath(p) for p in hide} - _SYSTEM  # a cwd of / must not hide the OS
+    secret = {os.path.realpath(p) for p in secret}
+    expose = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(pkg), *python_path()}
+    expose = {os.path.realpath(p) for p in expose}
+    keep = sorted(e for e in expose if os.path.exists(e) and not any(_within(s, e) for s in secret))
+    return sorted(hide), keep
+
+
+def _cpus(threads: int) -> list[int]:
+    """The cores both servers run on: the last `threads` this process may use (interrupts
+    and stray system work tend to land on the first)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[-threads:] if threads < len(cpus) else cpus
+
+
+def _isolation(cfg: EvalConfig) -> tuple[bool, str | None]:
+    """(use the sandbox, why it is unavailable)."""
+    if cfg.isolate is False:
+        return False, "disabled by the configuration"
+    why = Zygote.isolation_unavailable()
+    return why is None, why
 
 
 def evaluate(task: Task, source: str, cfg: EvalConfig = EvalConfig(),
@@ -177,163 +172,178 @@ def evaluate(task: Task, source: str, cfg: EvalConfig = EvalConfig(),
     )
     if why and not interpret:
         return Feedback("unavailable", why)
+    isolate, no_sandbox = _isolation(cfg)
+    if cfg.isolate and not isolate:
+        return Feedback("unavailable", f"OS isolation of the candidate is unavailable here: {no_sandbox}")  # fmt: skip
     device = "cpu" if interpret else task.device
-    timed = cfg.timing and not why
     shapes = task.shapes if shapes is None else shapes
     timing_shape = timing_shape or task.timing_shape
     gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-    check, refs = [], []
-    for s in shapes:
-        for _ in range(cfg.check_sets):
-            inputs = task.make_inputs(s.dims, gen)
-            inputs = {
-                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
-            }
-            grads: list = []
-            rule = _draw_grads(gen)
-            ref = _reference(task, inputs, lambda o, r=rule, g=grads: g.extend(r(o)) or g)
-            n_out = len(ref) - (len(task.grad_inputs) if task.mode == "fwd_bwd" else 0)
-            check.append({"shape": s.name, "inputs": inputs, "grad_out": grads,
-                          "out_shapes": [tuple(r.shape) for r in ref]})  # fmt: skip
-            refs.append((ref, n_out))
-    timing = []
-    if timed:
-        for _ in range(cfg.rotation):
-            timing.append({"inputs": task.make_inputs(timing_shape.dims, gen)})
-    job = {"mode": task.mode, "grad_inputs": list(task.grad_inputs), "device": device,
-           "structural": list(task.structural), "threads": task.threads, "op": task.op,
-           "warmup": max(cfg.warmup, cfg.rotation), "repeats": cfg.repeats,
-           "baseline_repeats": cfg.baseline_repeats,
-           "verify_samples": cfg.verify_samples,
-           "reference": task.reference, "time_reference": not task.baseline_is_reference}  # fmt: skip
-    jobdir = Path(tempfile.mkdtemp(prefix="wanka-lab-"))
+    drawn = [(s.name, task.make_inputs(s.dims, gen), int(torch.randint(0, 2**62, (1,), generator=gen)))
+             for s in shapes for _ in range(cfg.check_sets)]  # fmt: skip
+    sets = []
+    if cfg.timing and not why:
+        sets = [task.make_inputs(timing_shape.dims, gen) for _ in range(cfg.rotation)]
+    every = [d[1] for d in drawn] + sets
+    # Upstream gradients are windows of one pool of normals written to shared memory before
+    # the clock runs (see worker.grad_rule); at least as long as the largest input.
+    pool = torch.randn(max(_largest(i) for i in every) + 4096, generator=gen)
+    checks = []
+    for name, inputs, gseed in drawn:
+        ref = tuple(r.detach().cpu() for r in _reference(task, _to(inputs, device), gseed, pool))
+        n_out = len(ref) - (len(task.grad_inputs) if task.mode == "fwd_bwd" else 0)
+        checks.append((name, inputs, gseed, ref, n_out))
+    nbytes = nbytes_of(pool) + 4 * max(_input_bytes(i) for i in every) + (16 << 20)
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    jobdir = Path(tempfile.mkdtemp(prefix="wanka-lab-", dir=shm))
+    job = _Job(task, cfg, device, jobdir, nbytes, isolate, pool)
+    info = {"isolation": "sandbox" if isolate else f"none ({no_sandbox})"}
     try:
-        (jobdir / "job.json").write_text(json.dumps(job))
         (jobdir / "candidate.py").write_text(source)
         (jobdir / "baseline.py").write_text(task.baseline)
-        torch.save({"check": check, "timing": timing}, jobdir / "inputs.pt")
-        return _run_child(task, cfg, jobdir, device, check, refs, timing, timing_shape)
+        fb = job.run(checks, sets, timing_shape)
+    except Verdict as v:
+        fb = v.fb
     finally:
+        job.close()
         shutil.rmtree(jobdir, ignore_errors=True)
-
-
-def _run_child(task, cfg, jobdir, device, check, refs, timing, timing_shape) -> Feedback:
-    mem = int(cfg.memory_gib * 2**30) if device == "cpu" else 0
-    r = _Zygote.run({"jobdir": str(jobdir), "mem": mem, "cpu": int(cfg.timeout_s * 2),
-                     "threads": task.threads, "timeout": cfg.timeout_s})  # fmt: skip
-    if r["timeout"]:
-        return Feedback("timeout", f"no result within {cfg.timeout_s:g} s (killed)")
-    res_file = jobdir / "result.json"
-    code = r["exitcode"]
-    res = _read_result(res_file)
-    if res is None and code != 0:
-        err = jobdir / "stderr.txt"
-        tail = (
-            "\n".join(err.read_text(errors="replace").strip().splitlines()[-12:])
-            if err.exists()
-            else ""
-        )
-        code = code or 0
-        why = f"signal {-code}" if code < 0 else f"exit code {code}"
-        if "MemoryError" in tail or "bad_alloc" in tail or "memory" in tail.lower():
-            why += f" (memory limit {cfg.memory_gib:g} GiB)"
-        return Feedback(
-            "crash", f"the candidate's process died: {why}", details={"traceback": tail}
-        )
-    if res is None or code != 0 or res["status"] not in _CHILD_STATUSES:  # not a clean finish
-        return Feedback("rejected", f"result incomplete (exit code {code})", flags=["incomplete"])
-    fb = Feedback(res["status"], res.get("message", ""), flags=list(res.get("flags", [])),
-                  details={k: res[k] for k in ("traceback", "peaks") if k in res})  # fmt: skip
-    if res["status"] != "ran":
-        return fb
-    try:
-        outs = torch.load(jobdir / "outputs.pt", weights_only=True)
-    except Exception:  # noqa: BLE001  (missing, truncated or forged)
-        return _reject(fb, "incomplete", "result incomplete: no readable outputs")
-    if not _complete(res, outs, cfg, len(check), bool(timing)):
-        return _reject(fb, "incomplete", "result incomplete: wrong number of results or samples")
-    for i, ((ref, n_out), got) in enumerate(zip(refs, outs["check"])):
-        ok, msg, err = _compare(task, ref, got, n_out, check[i]["inputs"])
-        fb.details.setdefault("max_err", {})[check[i]["shape"]] = err
-        if not ok:
-            return Feedback("incorrect", f"shape {check[i]['shape']} (set {i}): {msg}", details=fb.details)  # fmt: skip
-    if not timing:
-        fb.status, fb.message = "correct", "checked (not timed)"
-        return fb
-    for smp in outs["samples"]:  # replay the sampled timed calls
-        inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                  for k, v in timing[smp["set"]]["inputs"].items()}  # fmt: skip
-        worker.refresh(inputs, list(task.structural), smp["seed"])
-        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        ref = _reference(task, inputs, lambda o, s=smp["seed"]: worker.grad_rule(o, s))
-        n_out = len(ref) - (len(task.grad_inputs) if task.mode == "fwd_bwd" else 0)
-        ok, msg, _ = _compare(task, ref, smp["outs"], n_out, inputs)
-        if not ok:
-            return _reject(fb, "stale", f"a timed call returned a wrong result (cached or "
-                           f"input-keyed?): {msg}")  # fmt: skip
-    c = res["candidate"]
-    fb.time_s = c["median_s"]
-    # Speedup = median over rounds of baseline / candidate, each pair timed back to back, so
-    # load changes on a shared machine largely cancel; baseline_s is the equivalent baseline
-    # time. The clean pre-import timing only guards against a baseline slowed down by the
-    # candidate (then it is used instead: conservative).
-    ratios = sorted(b / max(t, 1e-12) for b, t in zip(res["baseline_all"], c["all_s"]))
-    fb.baseline_s = fb.time_s * ratios[len(ratios) // 2]
-    if res["baseline_side"] > 2.0 * res["baseline_pre"]:
-        fb.baseline_s = res["baseline_pre"]
-        fb.flags.append("baseline_drift")
-    fb.reference_s = res.get("reference_s", fb.baseline_s)
-    fb.details.update(times_s=c["all_s"], baseline_pre_s=res["baseline_pre"],
-                      baseline_side_s=res["baseline_side"], shape=str(timing_shape))  # fmt: skip
-    unaccounted = c["loop_s"] - c["recorded_s"]
-    if unaccounted > max(0.25 * c["loop_s"], 0.05) or unaccounted < -0.01 - 0.05 * c["loop_s"]:
-        return _reject(fb, "timing", f"timed calls account for {c['recorded_s']:.3f} s of a "
-                       f"{c['loop_s']:.3f} s timing loop (timer or records tampered with)")  # fmt: skip
-    pk, d = res["peaks"], timing_shape.dims
-    bound = max(task.flops(d) / pk["flops"], task.bytes(d) / pk["bytes_per_s"])
-    fb.details["roofline_s"] = bound
-    if fb.time_s < bound / cfg.roofline_slack:
-        return _reject(fb, "implausible", f"{fb.time_s * 1e3:.3f} ms is faster than physically "
-                       f"plausible (roofline bound {bound * 1e3:.3f} ms / {cfg.roofline_slack:g})")  # fmt: skip
-    fb.status, fb.message = "correct", ""
+    fb.details.update(info)
     return fb
 
 
-_CHILD_STATUSES = ("ran", "rejected", "import_error", "error")
+class _Job:
+    """The servers of one evaluation and the rules that judge them."""
+
+    def __init__(self, task: Task, cfg: EvalConfig, device: str, jobdir: Path, nbytes: int,
+                 isolate: bool, pool: torch.Tensor):  # fmt: skip
+        self.pool = pool
+        self.task, self.cfg, self.device, self.jobdir = task, cfg, device, jobdir
+        self.deadline = time.monotonic() + cfg.timeout_s
+        hide, expose = _paths(cfg, jobdir) if isolate else ([], [])
+        mem = int(cfg.memory_gib * 2**30) if device == "cpu" else 0
+        # No seccomp on CUDA: Triton compiles with ptxas and a C compiler (exec).
+        self.spec = {"jobdir": str(jobdir), "nbytes": nbytes, "threads": task.threads,
+                     "device": device, "mode": task.mode, "grad_inputs": list(task.grad_inputs),
+                     "memory_bytes": mem, "cpu_s": int(cfg.timeout_s * 2) + 5,
+                     "isolate": isolate, "hide": hide, "expose": expose, "pool": pool.numel(),
+                     "seccomp": device == "cpu", "cpus": _cpus(task.threads)}  # fmt: skip
+        self.servers: list[Server] = []
+
+    def spawn(self, role: str, kernels: dict) -> Server:
+        srv = Server(role, {**self.spec, "role": role, "kernels": kernels}, self.jobdir,
+                      self.deadline, self.cfg.timeout_s)  # fmt: skip
+        self.servers.append(srv)
+        srv.buf.put([self.pool])  # offset 0, where the server's spec says it is
+        srv.data_at = nbytes_of(self.pool)
+        return srv
+
+    def close(self) -> None:
+        for srv in self.servers:
+            try:
+                srv.reap()
+            except RuntimeError:  # the fork server died: it took the servers with it
+                pass
+
+    def compare(self, ref, got, n_out: int, inputs: dict):
+        if self.task.compare is not None:
+            return self.task.compare(ref, got, inputs, self.task.tolerance)
+        tol = self.task.tolerance
+        return compare(ref, got, _names(self.task, n_out), tol.atol, tol.rtol)
+
+    def run(self, checks: list, sets: list, timing_shape: Shape) -> Feedback:
+        cand = self.spawn("candidate", {"candidate": {"file": str(self.jobdir / "candidate.py"), "trusted": False}})  # fmt: skip
+        ready = cand.start()
+        if ready.get("ready") is not True:
+            return Feedback("import_error", str(ready.get("message", ""))[:2000],
+                            details={"traceback": str(ready.get("traceback", ""))[:4000]})  # fmt: skip
+        fb = Feedback("correct", details={"max_err": {}})
+        for i, (shape, inputs, gseed, ref, n_out) in enumerate(checks):
+            _, _, outs = cand.call("candidate", inputs, gseed, poison=[list(r.shape) for r in ref])
+            ok, msg, err = self.compare(ref, outs, n_out, inputs)
+            fb.details["max_err"][shape] = max(err, fb.details["max_err"].get(shape, 0.0))
+            if not ok:
+                return Feedback("incorrect", f"shape {shape} (set {i}): {msg}", details=fb.details)
+            if not cand.outputs_unchanged():
+                raise reject("async", "an output changed after the reply (background work)")
+        if not sets:
+            fb.message = "checked (not timed)"
+            return fb
+        return self.time(cand, fb, sets, timing_shape)
+
+    def time(self, cand: Server, fb: Feedback, sets: list, timing_shape: Shape) -> Feedback:
+        task, cfg = self.task, self.cfg
+        kernels = {"baseline": {"file": str(self.jobdir / "baseline.py"), "trusted": True}}
+        if not task.baseline_is_reference:
+            kernels["reference"] = {"ref": task.reference}
+        base = self.spawn("baseline", kernels)
+        if base.start().get("ready") is not True:
+            raise Verdict(Feedback("error", "the baseline's server did not start"))
+        peaks = base.ask({"op": "peaks"})
+        roles = [("baseline", base), ("candidate", cand)]
+        if not task.baseline_is_reference:
+            roles.append(("reference", base))
+        # Single-thread CPU tasks are timed by the CPU time the server used during the call
+        # (read from outside, ns resolution): a machine shared with other jobs delays both
+        # sides' wall time unevenly, their CPU time hardly. Otherwise: wall time.
+        by_cpu = self.device == "cpu" and task.threads == 1
+        times: dict[str, list[float]] = {name: [] for name, _ in roles}
+        warmup = max(cfg.warmup, cfg.rotation)
+        cpu0, wall, in_calls = cand.cpu_s(), 0.0, 0.0
+        for i in range(warmup + cfg.repeats):
+            j, seed = i % len(sets), secrets.randbits(62)
+            worker.refresh(sets[j], list(task.structural), seed)
+            outs = {}
+            for name, srv in roles if i % 2 == 0 else roles[::-1]:
+                dt, cpu, outs[name] = srv.call(name, sets[j], seed)
+                if name == "candidate":
+                    wall, in_calls = wall + dt, in_calls + cpu
+                if i >= warmup:
+                    times[name].append(cpu if by_cpu else dt)
+            truth = outs.get("reference", outs["baseline"])
+            n_out = len(truth) - (len(task.grad_inputs) if task.mode == "fwd_bwd" else 0)
+            ok, msg, _ = self.compare(truth, outs["candidate"], n_out, sets[j])
+            if not ok:
+                return Feedback("incorrect", f"timed call {i + 1} ({timing_shape}): {msg}",
+                                details=fb.details)  # fmt: skip
+            if not cand.outputs_unchanged():
+                raise reject("async", "an output changed after the reply (background work)")
+        self._check_cpu(fb, cand.cpu_s(), cpu0, wall, in_calls)
+        c = times["candidate"]
+        fb.time_s = sorted(c)[len(c) // 2]
+        fb.baseline_s = fb.time_s * _median_ratio(times["baseline"], c)
+        fb.reference_s = (fb.time_s * _median_ratio(times["reference"], c)
+                          if "reference" in times else fb.baseline_s)  # fmt: skip
+        fb.details.update(times_s=c, baseline_times_s=times["baseline"], shape=str(timing_shape),
+                          clock="cpu" if by_cpu else "wall")  # fmt: skip
+        d = timing_shape.dims
+        try:
+            bound = max(task.flops(d) / float(peaks["flops"]), task.bytes(d) / float(peaks["bytes_per_s"]))  # fmt: skip
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            raise Verdict(Feedback("error", "the baseline's server sent no roofline peaks")) from None  # fmt: skip
+        fb.details["roofline_s"] = bound
+        if fb.time_s < bound / cfg.roofline_slack:
+            raise reject("implausible", f"{fb.time_s * 1e3:.3f} ms is faster than physically "
+                         f"plausible (roofline bound {bound * 1e3:.3f} ms / {cfg.roofline_slack:g})",
+                         **fb.details)  # fmt: skip
+        return fb
+
+    def _check_cpu(self, fb: Feedback, cpu1, cpu0, wall: float, in_calls: float) -> None:
+        """The candidate's process may compute only inside its calls, on at most the task's
+        thread count: work in between (precomputing, slowing the baseline down) or on extra
+        threads shows in its CPU time, which the kernel counts, not the candidate."""
+        if cpu0 is None or cpu1 is None:
+            raise reject("cpu", "the candidate's process vanished during timing")
+        outside, threads = cpu1 - cpu0 - in_calls, self.task.threads
+        fb.details.update(cpu_in_calls_s=in_calls, cpu_outside_calls_s=outside, timed_wall_s=wall)
+        if outside > 0.02 + 0.05 * in_calls:
+            raise reject("cpu", f"the candidate's process used {outside:.3f} s of CPU between its "
+                         f"calls (background work)", **fb.details)  # fmt: skip
+        if in_calls > self.cfg.cpu_slack * threads * wall + 0.02:
+            raise reject("cpu", f"the candidate's process used {in_calls:.3f} s of CPU in "
+                         f"{wall:.3f} s of calls: more than the task's {threads} thread(s)",
+                         **fb.details)  # fmt: skip
 
 
-def _read_result(path: Path) -> dict | None:
-    try:
-        res = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return res if isinstance(res, dict) and isinstance(res.get("status"), str) else None
-
-
-def _complete(res: dict, outs, cfg: EvalConfig, n_check: int, timed: bool) -> bool:
-    """Exactly the results the job asked for: one per check set; when timed, `repeats`
-    timings of candidate and baseline and min(verify_samples, repeats) re-verifiable samples."""
-    try:
-        if not isinstance(outs, dict) or len(outs["check"]) != n_check:
-            return False
-        if not timed:
-            return True
-        c = res["candidate"]
-        n = cfg.repeats
-        return (len(c["all_s"]) == n and len(res["baseline_all"]) == n
-                and len(outs["samples"]) == min(cfg.verify_samples, n)
-                and all(isinstance(x, int | float) and x > 0 for x in c["all_s"]))  # fmt: skip
-    except (KeyError, TypeError):
-        return False
-
-
-def _compare(task: Task, ref, got, n_out: int, inputs: dict):
-    if task.compare is not None:
-        return task.compare(ref, got, inputs, task.tolerance)
-    return compare(ref, got, _names(task, n_out), task.tolerance.atol, task.tolerance.rtol)
-
-
-def _reject(fb: Feedback, flag: str, msg: str) -> Feedback:
-    fb.status, fb.message = "rejected", msg
-    fb.flags.append(flag)
-    return fb
+def _median_ratio(num: list[float], den: list[float]) -> float:
+    r = sorted(a / max(b, 1e-12) for a, b in zip(num, den))
+    return r[len(r) // 2] if r else math.nan

@@ -3,8 +3,9 @@
 A candidate is kernel code. It has no business introspecting the evaluator (frames, gc),
 starting threads or processes, touching files or the clock, patching modules, or defining
 tensor subclasses that compute lazily. Such code is rejected before it runs, with a reason.
-The runtime guards in worker.py catch the same cheats again when this policy is off (the
-cheat tests run both ways), since an AST check can be dodged by enough obfuscation.
+It is a filter, not the boundary: an AST check can be dodged by enough obfuscation, so
+nothing the evaluator concludes depends on it (the red-team tests run with it off). The
+boundary is the process, its isolation and the checks in evaluator.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ FORBIDDEN_CALLS = frozenset({
     "eval", "exec", "compile", "__import__", "globals", "locals", "vars", "open", "setattr",
     "delattr", "breakpoint", "input", "memoryview",
 })  # fmt: skip
+# Builtins that must only appear as the function of a call (`E = exec` or passing getattr
+# to functools.partial would hide every later use from the call checks).
+ALIASABLE = FORBIDDEN_CALLS | {"getattr", "hasattr", "type"}
 # Frame / code / subclass walking, lazy tensor hooks, side streams.
 FORBIDDEN_ATTRS = frozenset({
     "f_back", "f_locals", "f_globals", "tb_frame", "gi_frame", "_getframe", "Stream",
@@ -41,7 +45,8 @@ DENIED_NAMES = frozenset({
     "_set_num_threads", "_set_num_interop_threads", "cpp_extension", "load_inline", "hub",
     "load_library", "fdopen", "unlink", "write_text", "write_bytes", "chdir", "setrlimit",
     "environ", "putenv", "dup2", "save", "savez", "savez_compressed", "savetxt", "tofile",
-    "_open_file", "_open_zipfile_writer",
+    "_open_file", "_open_zipfile_writer", "methodcaller", "attrgetter", "lab", "worker",
+    "evaluator", "servers", "sandbox", "zygote",
     "f_back", "f_locals", "f_globals", "f_code", "tb_frame", "gi_frame", "_getframe",
 })  # fmt: skip
 DENIED_PREFIXES = ("exec", "spawn", "_exec", "_spawn")
@@ -78,6 +83,7 @@ def check_source(source: str) -> list[str]:
             return False
         return name.split(".")[0] in FORBIDDEN_MODULES or name.startswith(FORBIDDEN_PREFIXES)
 
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     for node in ast.walk(tree):
         where = f"line {getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.Import):
@@ -90,6 +96,8 @@ def check_source(source: str) -> list[str]:
                     if a.name == "*" or denied_name(a.name)]  # fmt: skip
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             name = node.func.id
+            if name == "type" and len(node.args) == 3:
+                out.append(f"{where}: type() with 3 arguments (a class built at run time)")
             if name in FORBIDDEN_CALLS:
                 out.append(f"{where}: call of {name}()")
             elif name in ("getattr", "hasattr"):
@@ -101,6 +109,8 @@ def check_source(source: str) -> list[str]:
         elif isinstance(node, ast.Attribute):
             if denied_name(node.attr):
                 out.append(f"{where}: attribute {node.attr}")
+        elif isinstance(node, ast.Name) and node.id in ALIASABLE and id(node) not in called:
+            out.append(f"{where}: {node.id} used other than by calling it (an alias)")
         elif isinstance(node, ast.Name) and (
             node.id in ("__builtins__", "__loader__", "__spec__", "__file__")
             or (node.id.startswith("__") and node.id not in ALLOWED_DUNDERS)

@@ -5,6 +5,10 @@ call). A run interrupted at any point resumes from the history: the next `wanka 
 for the same task and proposer continues the unfinished run. After the budget, the fastest
 correct candidates are re-evaluated on the held-out shapes (never shown to the proposer),
 best first, until one passes: its held-out speedup is the run's verified result.
+
+Only this (parent) process writes the history: the source's SHA-256 is computed here from
+the exact string handed to the evaluator, never taken from the candidate's process; rows
+that fail the store's integrity check are never held-out checked, re-signed or reported.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from wanka.lab.evaluator import EvalConfig, evaluate
 from wanka.lab.proposers.base import Proposer
-from wanka.lab.store import Record, Store
+from wanka.lab.store import Record, Store, sha256_text
 from wanka.lab.task import LabError, Task
 
 
@@ -38,6 +42,10 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
     if cfg.budget < 1:
         raise LabError(f"budget must be at least 1, got {cfg.budget}")
     t0 = time.time()
+    # The candidate's sandbox hides the history's folder (database and HMAC key).
+    cfg = replace(
+        cfg, eval=replace(cfg.eval, hide=(*cfg.eval.hide, str(store.path.resolve().parent)))
+    )
     run_id = cfg.run_id
     if run_id is not None:
         run = store.run(run_id)
@@ -54,22 +62,26 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
     if history:
         log(f"resuming run {run_id}: {len(history)} of {cfg.budget} evaluations done")
     while len(history) < cfg.budget:
-        prop = proposer.propose(task, history)
+        # The proposer (an LLM prompt, too) only sees rows this process wrote and signed.
+        prop = proposer.propose(task, intact(store, history))
         if prop is None:
             log("proposer has nothing new to try")
             break
-        fb = evaluate(task, prop.source, cfg.eval)
-        store.add(run_id, prop.source, prop.config, prop.note, fb)
+        source = prop.source
+        digest = sha256_text(source)  # of the very string the evaluator gets
+        fb = evaluate(task, source, cfg.eval)
+        store.add(run_id, source, prop.config, prop.note, fb, source_sha256=digest)
         history = store.candidates(run_id)
         b = best(history)
         sp = f"{fb.speedup:.2f}x" if fb.correct and fb.speedup else "-"
         log(f"[{len(history)}/{cfg.budget}] {fb.status:12s} {sp:>7s}  best "
             f"{b.speedup if b else 0:.2f}x  {prop.note}"
             + ("" if fb.correct else f"  ({fb.message[:80]})"))  # fmt: skip
-    verified = verify_held_out(task, store, history, cfg)
+    verified = verify_held_out(task, store, history, cfg, log)
     store.finish(run_id)
     history = store.candidates(run_id)
-    b, v = best(history), best(history, verified=True)
+    ok = intact(store, history)
+    b, v = best(ok), best(ok, verified=True)
     return {
         "task": task.name, "run_id": run_id, "proposer": proposer.name,
         "evaluations": len(history), "correct": sum(r.correct for r in history),
@@ -79,9 +91,24 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
     }  # fmt: skip
 
 
-def verify_held_out(task: Task, store: Store, history: list[Record], cfg: RunConfig) -> bool:
-    """Held-out check of the fastest correct candidates until one passes."""
-    ranked = sorted((r for r in history if r.correct and r.speedup), key=lambda r: -r.speedup)
+def intact(store: Store, history: list[Record],
+           log: Callable[[str], None] | None = None) -> list[Record]:  # fmt: skip
+    """The records that pass the store's integrity check (the others are logged)."""
+    out = []
+    for r in history:
+        why = store.verify(r)
+        if why is None:
+            out.append(r)
+        elif log is not None:
+            log(f"candidate {r.id} skipped: failed the integrity check: {why}")
+    return out
+
+
+def verify_held_out(task: Task, store: Store, history: list[Record], cfg: RunConfig,
+                    log: Callable[[str], None] | None = None) -> bool:  # fmt: skip
+    """Held-out check of the fastest intact correct candidates until one passes."""
+    ok_rows = (r for r in intact(store, history, log) if r.correct and r.speedup)
+    ranked = sorted(ok_rows, key=lambda r: -r.speedup)
     # An independent, longer measurement: the best of many noisy measurements is biased up.
     strict = replace(cfg.eval, repeats=max(cfg.eval.repeats, 9))
     for r in ranked[: cfg.verify_top]:

@@ -1,33 +1,25 @@
-"""The evaluator's child process: runs one candidate against inputs the parent drew.
+"""The evaluator's kernel servers: processes forked by zygote.py that run kernels on inputs
+the evaluator writes into shared memory, one call per message, and hand the outputs back.
 
-`python -m wanka.lab.worker JOBDIR`. The parent (evaluator.py) wrote job.json, inputs.pt,
-baseline.py and candidate.py there. This process never sees the seed behind the inputs nor
-the reference outputs (the parent keeps both), so a candidate cannot replay or read them.
-
-Order matters: the clock functions are captured and the baseline (and reference, when it
-differs) is timed *before* the candidate is imported, so a candidate cannot slow them down
-or patch the timer they use. Then the candidate is checked under guards (exact tensor type,
-inputs unchanged, no output written after return, no new threads), timed on rotating inputs
-whose float values are redrawn in place before every call (a cached or pointer-keyed result
-goes stale), and a few timed calls, picked at random after they returned, are shipped back
-for the parent to verify. Everything the candidate could tamper with is re-checked at the end.
+Two servers per evaluation: a trusted one (the baseline, the reference where it differs,
+the roofline peaks) and one for the candidate. The candidate's server is isolated before the
+candidate's source is even compiled (sandbox.py: namespaces, read-only mounts, uid nobody,
+seccomp; rlimits and an audit hook where that is unavailable) and is trusted with nothing:
+the evaluator times every call itself (send -> reply, around the outputs already written
+to shared memory), checks every call's outputs, counts the process's CPU time from the host's
+/proc, and never reads anything from it but JSON and tensor bytes it validates.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
+import linecache
+import socket
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-
-_PERF = time.perf_counter  # captured before any candidate code exists in this process
-_MONO = time.monotonic
-_SLEEP = time.sleep
 
 
 class Rejected(Exception):
@@ -43,31 +35,49 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()  # device-wide: work queued on any stream is waited for
 
 
-def _load(path: Path, name: str) -> ModuleType:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
+def load_source(text: str, name: str) -> ModuleType:
+    """Run a kernel source as module `name` (registered with linecache, so tracebacks and
+    Triton's inspect.getsource work without a file on disk)."""
+    filename = f"{name}.py"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    mod = ModuleType(name)
+    mod.__file__ = filename
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    exec(compile(text, filename, "exec"), mod.__dict__)  # noqa: S102  (the point of a lab)
     if not callable(getattr(mod, "kernel", None)):
-        raise AttributeError(f"{path.name} defines no callable kernel(...)")
+        raise AttributeError(f"{filename} defines no callable kernel(...)")
     return mod
 
 
-def grad_rule(outs: tuple, seed: int) -> list:
-    """Upstream gradient of a timed call: N(0, 1) from the call's seed, 0 where the output is
-    not finite (masked slots). The parent recomputes it from the reference's outputs."""
+_PERF = __import__("time").perf_counter  # captured before any candidate code runs
+
+
+def grad_rule(outs: tuple, seed: int, pool=None) -> list:
+    """Upstream gradient of a call: a window of `pool` (N(0, 1) values the evaluator drew and
+    wrote into shared memory before timing) at an offset given by the call's seed, 0 where
+    the output is not finite (masked slots). Drawing millions of normals inside the timed
+    call would cost more than many kernels. Outputs larger than the pool draw their own."""
     import torch
 
-    g = torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+    g = None
     res = []
-    for o in outs:
+    for i, o in enumerate(outs):
         if not o.is_floating_point():
             res.append(None)
             continue
-        r = torch.randn(o.shape, generator=g).to(o.device, o.dtype)
-        res.append(r.masked_fill(~torch.isfinite(o.detach()), 0.0))
+        n = o.numel()
+        if pool is not None and n <= pool.numel():
+            start = (seed + 7919 * i) % (pool.numel() - n + 1)
+            r = pool[start : start + n].view(o.shape).to(o.device, o.dtype)
+        else:
+            g = g or torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+            r = torch.randn(o.shape, generator=g).to(o.device, o.dtype)
+        # A finite sum means every element is finite (inf or NaN would propagate): one pass
+        # instead of isfinite's several, inside the timed call.
+        if bool(torch.isfinite(o.detach().sum())):
+            res.append(r)
+        else:
+            res.append(r.masked_fill(~torch.isfinite(o.detach()), 0.0))
     return res
 
 
@@ -125,16 +135,6 @@ def check_tensors(outs: tuple, device: str | None) -> None:
             raise Rejected("device", f"output {i} is on {o.device.type}, expected {device}")
 
 
-def _same(a, b) -> bool:
-    import torch
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    return bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN == NaN here
-
-
 def _poison(shapes) -> None:
     """Fill freed allocator blocks of the outputs' sizes with NaN, so an output buffer taken
     with torch.empty and left partly unwritten shows NaN, not a previous run's numbers."""
@@ -142,71 +142,6 @@ def _poison(shapes) -> None:
 
     junk = [torch.full(s, float("nan")) for s in shapes]
     del junk
-
-
-def checked_call(fn: Callable, inputs: dict, job: dict, grad_out: list, threads0: int) -> list:
-    """A correctness call under the guards -> the outputs as they were when fn returned."""
-    device = job["device"]
-    before = {n: t.clone() for n, t in inputs.items() if hasattr(t, "clone")}
-    outs = call(fn, inputs, job["mode"], job["grad_inputs"], grad_out)
-    _sync(device)
-    check_tensors(outs, device)
-    snap = [o.clone() for o in outs]
-    for n, t in before.items():
-        if not _same(t, inputs[n]):
-            raise Rejected("input_write", f"the candidate wrote into input {n}")
-    _SLEEP(0.02)  # work left running in the background would change the outputs now
-    _sync(device)
-    if any(not _same(a, b) for a, b in zip(snap, outs)):
-        raise Rejected("async", "an output changed after kernel returned (background work)")
-    if threading.active_count() > threads0:
-        raise Rejected("thread", "the candidate left threads running")
-    return snap
-
-
-def time_fns(
-    fns: dict, sets: list[dict], job: dict, repeats: int | None = None, warmup: int | None = None
-) -> dict:
-    """Interleaved timing of several functions ({name: (fn, samples)}): each round calls each
-    once (order alternating between rounds), so a load change on a shared machine hits all of
-    them alike. Inputs cycle over the sets with float values redrawn in place before every
-    call. Per name: the median, all timed durations, and `samples` timed calls chosen
-    uniformly at random *after* each returned (reservoir sampling, unpredictable source)."""
-    names = list(fns)
-    durs: dict = {n: [] for n in names}
-    kept: dict = {n: [] for n in names}
-    other = spent = 0.0
-    loop0 = _MONO()
-    warmup = job["warmup"] if warmup is None else warmup
-    for i in range(warmup + (repeats or job["repeats"])):
-        for name in names if i % 2 == 0 else names[::-1]:
-            fn, samples = fns[name]
-            j, seed = i % len(sets), secrets.randbits(62)
-            r0 = _PERF()
-            refresh(sets[j]["inputs"], job["structural"], seed)
-            _sync(job["device"])
-            t0 = _PERF()
-            outs = call(fn, sets[j]["inputs"], job["mode"], job["grad_inputs"],
-                        lambda o, s=seed: grad_rule(o, s))  # fmt: skip
-            _sync(job["device"])
-            t1 = _PERF()
-            spent += t1 - t0
-            if i >= warmup:
-                durs[name].append(t1 - t0)
-                n = len(durs[name])
-                slot = len(kept[name]) if len(kept[name]) < samples else secrets.randbelow(n)
-                if slot < samples:
-                    item = {"set": j, "seed": seed, "outs": [o.detach().clone() for o in outs]}
-                    kept[name][slot:slot + 1] = [item]  # fmt: skip
-            del outs
-            other += (t0 - r0) + (_PERF() - t1)
-    loop = _MONO() - loop0
-    out = {}
-    for n in names:
-        d = sorted(durs[n])
-        out[n] = {"median_s": d[len(d) // 2], "all_s": durs[n], "samples": kept[n]}
-    out["loop_s"], out["recorded_s"] = loop, spent + other
-    return out
 
 
 def measure_peaks(device: str) -> dict:
@@ -233,32 +168,6 @@ def measure_peaks(device: str) -> dict:
         _sync(device)
         best_b = max(best_b, 2 * nbytes / max(_PERF() - t0, 1e-9))
     return {"flops": best_f, "bytes_per_s": best_b}
-
-
-def _snapshot(job: dict) -> dict:
-    import importlib
-
-    import torch
-
-    from wanka.ops import registry
-
-    mod, fn = job["reference"].split(":")
-    items = {
-        "time.perf_counter": time.perf_counter, "time.monotonic": time.monotonic,
-        "time.perf_counter_ns": time.perf_counter_ns, "time.time": time.time,
-        "torch.cuda.synchronize": torch.cuda.synchronize, "torch.cuda.Event": torch.cuda.Event,
-        "torch.autograd.backward": torch.autograd.backward,
-        "torch.Tensor.backward": torch.Tensor.backward, "torch.no_grad": torch.no_grad,
-        # the baseline runs beside the candidate: torch must stay what it was
-        "torch": {k: v for k, v in vars(torch).items() if callable(v)},
-        "torch.Tensor": {k: v for k, v in vars(torch.Tensor).items() if callable(v)},
-        "torch.nn.functional": {k: v for k, v in vars(torch.nn.functional).items() if callable(v)},
-        "reference": getattr(importlib.import_module(mod), fn),
-        "registry": {k: b.fn for k, b in registry._REGISTRY.get(job["op"], {}).items()},
-        "worker": {k: v for k, v in globals().items() if callable(v)},
-        "threads": torch.get_num_threads(),
-    }  # fmt: skip
-    return items
 
 
 # Audit events a candidate has no business raising (defence in depth behind the policy).
@@ -326,120 +235,143 @@ def _lockdown(jobdir: Path, compilers: bool) -> None:
     sys.addaudithook(hook)
 
 
-def _tampered(before: dict, after: dict) -> list[str]:
-    return [k for k in before if not _eq(before[k], after[k])]
-
-
-def _eq(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
-    return a is b if callable(a) else a == b
-
-
-def run(jobdir: Path) -> dict:
-    """One job. The result dict is returned for the caller to write to the already-open
-    result file; outputs.pt is opened before the lock-down too."""
-    import torch
-
-    job = json.loads((jobdir / "job.json").read_text())
-    torch.set_num_threads(job["threads"])
-    data = torch.load(jobdir / "inputs.pt", weights_only=True)
-    (jobdir / "inputs.pt").unlink()
-    dev = job["device"]
-    for s in data["check"] + data["timing"]:
-        s["inputs"] = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v)
-                       for k, v in s["inputs"].items()}  # fmt: skip
-        s["grad_out"] = [g.to(dev) if g is not None else None for g in s.get("grad_out", [])]
-    res: dict = {"flags": []}
-    baseline = _load(jobdir / "baseline.py", "lab_baseline").kernel
-    if data["timing"]:
-        res["peaks"] = measure_peaks(dev)
-        res["baseline_pre"] = time_fns(
-            {"b": (baseline, 0)}, data["timing"], job, repeats=job["baseline_repeats"], warmup=1
-        )["b"]["median_s"]
-        if job["time_reference"]:
-            import importlib
-
-            mod, fn = job["reference"].split(":")
-            ref = getattr(importlib.import_module(mod), fn)
-            res["reference_s"] = time_fns(
-                {"r": (ref, 0)}, data["timing"], job, repeats=job["baseline_repeats"], warmup=1
-            )["r"]["median_s"]
-    out_file = open(jobdir / "outputs.pt", "wb")  # noqa: SIM115  (before the lock-down)
-    _lockdown(jobdir, compilers=dev == "cuda")
-    before = _snapshot(job)
-    threads0 = threading.active_count()
-    try:
-        cand = _load(jobdir / "candidate.py", "lab_candidate").kernel
-    except BaseException as e:  # noqa: BLE001  (a candidate may raise anything at import)
-        return {**res, "status": "import_error", "message": f"{type(e).__name__}: {e}",
-                "traceback": _trim(traceback.format_exc())}  # fmt: skip
-    outputs: dict = {"check": [], "samples": []}
-    try:
-        for s in data["check"]:
-            _poison(s["out_shapes"])
-            outputs["check"].append(checked_call(cand, s["inputs"], job, s["grad_out"], threads0))
-        if data["timing"]:
-            t = time_fns({"candidate": (cand, job["verify_samples"]), "baseline": (baseline, 0)},
-                         data["timing"], job)  # fmt: skip
-            outputs["samples"] = t["candidate"].pop("samples")
-            res["candidate"] = {
-                **t["candidate"],
-                "loop_s": t["loop_s"],
-                "recorded_s": t["recorded_s"],
-            }
-            res["baseline_side"] = t["baseline"]["median_s"]
-            res["baseline_all"] = t["baseline"]["all_s"]
-            if threading.active_count() > threads0:
-                raise Rejected("thread", "the candidate left threads running")
-    except Rejected as e:
-        return {**res, "status": "rejected", "flags": [e.flag], "message": str(e)}
-    except BaseException as e:  # noqa: BLE001
-        return {**res, "status": "error", "message": f"{type(e).__name__}: {e}",
-                "traceback": _trim(traceback.format_exc())}  # fmt: skip
-    tampered = _tampered(before, _snapshot(job))
-    if tampered:
-        return {**res, "status": "rejected", "flags": ["tamper"],
-                "message": "the candidate patched " + ", ".join(tampered)}  # fmt: skip
-    torch.save(outputs, out_file)
-    out_file.close()
-    return {**res, "status": "ran"}
-
-
 def _trim(tb: str, lines: int = 14) -> str:
     """The end of a traceback (where the candidate failed), not the evaluator's frames."""
     return "\n".join(tb.rstrip().splitlines()[-lines:])
 
 
-def child_main(jobdir: str, memory_bytes: int, cpu_s: int, threads: int) -> None:
-    """Entry of a forked candidate process: own output files, resource limits, one job."""
-    import os
+def _send(sock: socket.socket, msg: dict) -> None:
+    sock.send(json.dumps(msg).encode())
+
+
+def _failure(e: BaseException) -> dict:
+    if isinstance(e, Rejected):
+        return {"ok": False, "status": "rejected", "flag": e.flag, "message": str(e)}
+    return {"ok": False, "status": "error", "message": f"{type(e).__name__}: {e}"[:2000],
+            "traceback": _trim(traceback.format_exc())}  # fmt: skip
+
+
+def serve(sock: socket.socket, buf, kernels: dict[str, Callable], spec: dict, peaks: dict) -> None:
+    """Answer the evaluator's messages until it hangs up: `call` (inputs in the buffer ->
+    outputs written after them), `peaks` (roofline, measured at start), `exit`."""
+    import torch
+
+    from wanka.lab.shm import decode_inputs
+
+    device, mode, grad_names = spec["device"], spec["mode"], spec["grad_inputs"]
+    pool = buf.view(0, torch.float32, [spec["pool"]]) if spec["pool"] else None
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            return
+        msg = json.loads(data)
+        if msg["op"] == "exit":
+            return
+        if msg["op"] == "peaks":
+            _send(sock, peaks)
+            continue
+        inputs = None
+        try:
+            inputs = decode_inputs(buf, msg["inputs"], device)
+            if msg.get("poison"):
+                _poison([tuple(s) for s in msg["poison"]])
+            seed = msg["seed"]
+            outs = call(kernels[msg["kernel"]], inputs, mode, grad_names,
+                        lambda o, s=seed: grad_rule(o, s, pool))  # fmt: skip
+            _sync(device)
+            check_tensors(outs, device)
+            metas, _ = buf.put(list(outs), msg["out_at"])
+            reply = {"ok": True, "outs": metas}
+        except BaseException as e:  # noqa: BLE001  (a candidate may raise anything)
+            reply = _failure(e)
+        del inputs
+        _send(sock, reply)
+
+
+def _fix_malloc() -> None:
+    """glibc adapts its mmap threshold to the largest block freed so far, so a server that
+    once freed a big tensor allocates later ones without page faults and looks faster. Fixed
+    thresholds (as a long-running training process reaches) make every server alike."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _limit(spec: dict) -> None:
+    """Without the sandbox: address space (CPU tasks: CUDA maps far more than it uses) and
+    CPU seconds only."""
     import resource
 
-    d = Path(jobdir)
-    for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
-        f = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    if spec["memory_bytes"]:
+        m = spec["memory_bytes"]
+        resource.setrlimit(resource.RLIMIT_AS, (m, m))
+    resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 5))
+
+
+def start(sock: socket.socket, spec: dict) -> None:
+    """Entry of a forked server. Everything trusted happens first: output files, the shared
+    buffer, the trusted kernels, the candidate's source read as text; then the isolation;
+    only then is untrusted source compiled. Reports {"pid"} (the host's pid of the process
+    that runs the kernels), then {"ready"} or the import error, then serves."""
+    import os
+
+    import torch
+
+    from wanka.lab import sandbox
+    from wanka.lab.shm import Buffer
+
+    jobdir, role, device = Path(spec["jobdir"]), spec["role"], spec["device"]
+    for fd, name in ((1, f"{role}.out"), (2, f"{role}.err")):
+        f = os.open(jobdir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(f, fd)
         os.close(f)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    os.environ["WANKA_OPS_POISON"] = "1"
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    if memory_bytes:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 5))
-    _run_to(d)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    os.environ.update(WANKA_OPS_POISON="1", OMP_NUM_THREADS=str(spec["threads"]))
+    torch.set_num_threads(spec["threads"])
+    _fix_malloc()
+    if spec.get("cpus"):  # both servers on the same cores: the scheduler cannot favour one
+        os.sched_setaffinity(0, spec["cpus"])
+    buf = Buffer(jobdir / f"{role}.shm", spec["nbytes"])
+    kernels: dict[str, Callable] = {}
+    untrusted: dict[str, str] = {}
+    for name, k in spec["kernels"].items():
+        if "ref" in k:
+            import importlib
 
-
-def _run_to(d: Path) -> None:
-    """run(d) with result.json opened first (no file can be opened for writing afterwards).
-    It stays empty unless the job finishes: the parent treats empty as no result."""
-    with open(d / "result.json", "w") as f:
-        text = json.dumps(run(d))
-        f.write(text)
-
-
-if __name__ == "__main__":  # one job in this process (debugging): python -m wanka.lab.worker DIR
-    _run_to(Path(sys.argv[1]))
+            mod, fn = k["ref"].split(":")
+            kernels[name] = getattr(importlib.import_module(mod), fn)
+        elif k["trusted"]:
+            kernels[name] = load_source(Path(k["file"]).read_text(), f"lab_{name}").kernel
+        else:
+            untrusted[name] = Path(k["file"]).read_text()
+    if spec["isolate"]:
+        limits = sandbox.Limits(memory_bytes=spec["memory_bytes"], cpu_s=spec["cpu_s"])
+        sandbox.enter(hide=spec["hide"], expose=spec["expose"], limits=limits,
+                      on_pid=lambda pid: _send(sock, {"pid": pid}),
+                      seccomp=spec["seccomp"])  # fmt: skip
+        isolation = {
+            "sandbox": True,
+            **{k: v for k, v in sandbox.STATUS.items() if k != "open_fds"},
+        }
+    else:
+        _limit(spec)
+        _send(sock, {"pid": os.getpid()})
+        isolation = {"sandbox": False}
+    _lockdown(jobdir, compilers=device == "cuda")
+    peaks = measure_peaks(device)  # in every server: the same allocator and library state
+    for name, text in untrusted.items():
+        try:
+            kernels[name] = load_source(text, name).kernel
+        except BaseException as e:  # noqa: BLE001  (a candidate may raise anything at import)
+            _send(sock, {"ready": False, "status": "import_error",
+                         "message": f"{type(e).__name__}: {e}"[:2000],
+                         "traceback": _trim(traceback.format_exc())})  # fmt: skip
+            return
+    _send(sock, {"ready": True, "isolation": isolation})
+    serve(sock, buf, kernels, spec, peaks)

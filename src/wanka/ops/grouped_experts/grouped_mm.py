@@ -15,7 +15,7 @@ Requirements (`gmm_supported`; other inputs take the padded path): both operands
 `_grouped_mm`); row strides multiples of 16 bytes (dim and hidden multiples of 4 in fp32, 8 in
 bf16); on CUDA, bf16 on sm90+ (older GPUs have only PyTorch's syncing fallback, so they take
 the padded path). Autograd is PyTorch's own `_grouped_mm` backward, which needs a densely
-strided output gradient: `_DenseGrad` makes it so (`y.sum().backward()` gives a stride-0 one).
+strided output gradient: a hook on the output (`_dense_grad`) makes it so (`y.sum().backward()` gives a stride-0 one).
 """
 
 from __future__ import annotations
@@ -60,20 +60,16 @@ def gmm_supported(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:
     )
 
 
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous, 16-byte aligned gradient."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        dense = g.dim() < 2 or (g.stride(-1) == 1 and g.stride(-2) == g.shape[-1])
-        if dense and g.data_ptr() % _ALIGN == 0:
-            return g
-        # (an empty stride-0 tensor counts as contiguous: .contiguous() would keep it)
-        return torch.empty_like(g, memory_format=torch.contiguous_format).copy_(g)
+def _dense_grad(g: torch.Tensor) -> torch.Tensor:
+    """The gradient of the grouped GEMM's output, made contiguous and 16-byte aligned (its
+    backward requires both). A hook on the output rather than an identity autograd.Function:
+    that returned a view, and FSDP2 warns about (and drops hooks on in-place ops on) views
+    returned by a wrapped module."""
+    dense = g.dim() < 2 or (g.stride(-1) == 1 and g.stride(-2) == g.shape[-1])
+    if dense and g.data_ptr() % _ALIGN == 0:
+        return g
+    # (an empty stride-0 tensor counts as contiguous: .contiguous() would keep it)
+    return torch.empty_like(g, memory_format=torch.contiguous_format).copy_(g)
 
 
 def gmm_swiglu(tokens, counts, w1, w3, w2):
@@ -81,7 +77,10 @@ def gmm_swiglu(tokens, counts, w1, w3, w2):
     offs = counts.cumsum(0).to(torch.int32)
     x = tokens.contiguous()
     h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-    return _DenseGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+    y = torch._grouped_mm(h, w2, offs=offs)
+    if y.requires_grad:
+        y.register_hook(_dense_grad)
+    return y
 
 
 # Run eagerly under torch.compile (a graph break, as the loop's and the padded path's host

@@ -60,12 +60,14 @@ _COMMON = dict(
     structural=("eps",), shapes=SHAPES, held_out=HELD_OUT,
 )  # fmt: skip
 
+# atol 1e-4 (rtol 1e-4): the weight's gradient sums every row (N up to 4096), and float32
+# summation order alone moves it by ~1e-5-1e-4; every timed call is checked against it.
 CPU = Task(
     name="rmsnorm-cpu", device="cpu", mode="fwd_bwd", grad_inputs=("x", "weight"),
     baseline=(HERE / "baseline.py").read_text(),
     timing_shape=Shape("timing", {"N": 4096, "D": 1024}),
     held_out_timing=Shape("held-timing", {"N": 3000, "D": 1536}),
-    tolerance=Tolerance(atol=1e-5, rtol=1e-4), space=CPU_SPACE,
+    tolerance=Tolerance(atol=1e-4, rtol=1e-4), space=CPU_SPACE,
     flops=lambda d: _flops(d, "fwd_bwd"), bytes=lambda d: _bytes(d, "fwd_bwd"), **_COMMON,
 )  # fmt: skip
 TRITON = Task(
@@ -73,7 +75,7 @@ TRITON = Task(
     baseline=(HERE / "baseline.py").read_text(),
     timing_shape=Shape("timing", {"N": 16384, "D": 4096}),
     held_out_timing=Shape("held-timing", {"N": 12000, "D": 5120}),
-    tolerance=Tolerance(atol=1e-5, rtol=1e-4), space=TRITON_SPACE,
+    tolerance=Tolerance(atol=1e-4, rtol=1e-4), space=TRITON_SPACE,
     flops=lambda d: _flops(d, "fwd"), bytes=lambda d: _bytes(d, "fwd"), **_COMMON,
 )  # fmt: skip
 TASKS = (CPU, TRITON)

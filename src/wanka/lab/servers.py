@@ -1,0 +1,242 @@
+"""The evaluator's processes: the fork server (zygote.py) and the kernel servers it forks
+(worker.py), seen from the evaluator. Only JSON and validated tensor descriptions come back
+from a server; its clock, its CPU time and its pid's liveness are read from this side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from wanka.lab.shm import Buffer, ShmError, encode_inputs
+from wanka.lab.verdict import Feedback, Verdict, reject
+
+_ENV_KEEP = {"PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV",
+             "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"}  # fmt: skip
+_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "TRITON_", "CUDA_", "NVIDIA_", "ASCEND_")
+
+
+def python_path() -> list[str]:
+    """This process's import path as absolute directories (the fork server starts in /)."""
+    cwd, out = os.getcwd(), []
+    for p in sys.path:
+        p = os.path.abspath(p) if p else cwd
+        if p != cwd and os.path.isdir(p) and p not in out:
+            out.append(p)
+    return out
+
+
+class Zygote:
+    """Parent's handle on the fork server (zygote.py), started on first use with a scrubbed
+    environment: an API key or a secret path in ours never reaches a candidate."""
+
+    proc: subprocess.Popen | None = None
+    sock: socket.socket | None = None
+    probe: list[str | None] = []
+
+    @classmethod
+    def request(cls, msg: dict, fd: int | None = None) -> dict:
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls._start()
+        try:
+            socket.send_fds(cls.sock, [json.dumps(msg).encode()], [] if fd is None else [fd])
+            data = cls.sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:
+            cls.close()
+            raise RuntimeError("the lab's fork server died (see the errors above)")
+        return json.loads(data)
+
+    @classmethod
+    def _start(cls) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP or k.startswith(_ENV_PREFIXES)}
+        env["PYTHONPATH"] = os.pathsep.join(python_path())
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads burn no CPU time
+        cls.proc = subprocess.Popen([sys.executable, "-m", "wanka.lab.zygote", str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], env=env, cwd="/",
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
+        theirs.close()
+        cls.sock = ours
+        cls.probe.clear()
+        atexit.register(cls.close)
+
+    @classmethod
+    def isolation_unavailable(cls) -> str | None:
+        """Why the sandbox does not work here (None when it does), probed in the fork server,
+        where it would be entered."""
+        if not cls.probe:
+            cls.probe.append(cls.request({"op": "probe"})["why"])
+        return cls.probe[0]
+
+    @classmethod
+    def close(cls) -> None:
+        if cls.sock is not None:
+            cls.sock.close()
+        cls.sock = None
+        if cls.proc is not None and cls.proc.poll() is None:
+            try:
+                cls.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+                cls.proc.wait()
+        cls.proc = None
+
+
+def cpu_clock(pid: int) -> int:
+    """Linux's clock id for the CPU time of process `pid` (all its threads, live and exited;
+    nanosecond resolution), readable from outside the process."""
+    return ((~pid) << 3) | 2  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN == NaN here
+
+
+class Server:
+    """One kernel server: its socket, its shared buffer, its host pid."""
+
+    def __init__(self, role: str, spec: dict, jobdir: Path, deadline: float, timeout_s: float):
+        self.role, self.jobdir, self.deadline, self.timeout_s = role, jobdir, deadline, timeout_s
+        self.buf = Buffer(jobdir / f"{role}.shm", spec["nbytes"], create=True)
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.pid = Zygote.request({"op": "spawn", "spec": spec}, theirs.fileno())["pid"]
+        finally:
+            theirs.close()
+        self.host_pid: int | None = None
+        self.data_at = 0  # where inputs start (a pool of random values may come first)
+        self.clock: int | None = None
+        self.last: list = []  # (description, copy) of the last call's outputs
+
+    def _recv(self) -> bytes:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise Verdict(Feedback("timeout", f"no result within {self.timeout_s:g} s (killed)"))
+        self.sock.settimeout(left)
+        try:
+            data = self.sock.recv(1 << 16)
+        except TimeoutError:
+            raise Verdict(Feedback("timeout", f"no result within {self.timeout_s:g} s (killed)")) from None  # fmt: skip
+        except OSError:
+            data = b""
+        if not data:
+            raise self._died()
+        return data
+
+    def _parse(self, data: bytes) -> dict:
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):
+            raise reject("protocol", f"the {self.role}'s process sent a malformed message")
+        return msg
+
+    def _died(self) -> Verdict:
+        code = self.reap(grace_s=2.0)
+        if code is not None and code > 128:  # the sandbox reports a signal death as 128 + n
+            code = 128 - code
+        err = self.jobdir / f"{self.role}.err"
+        tail = "\n".join(err.read_text(errors="replace").strip().splitlines()[-12:]) if err.exists() else ""  # fmt: skip
+        why = "killed" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
+        if "MemoryError" in tail or "bad_alloc" in tail or "memory" in tail.lower():
+            why += " (memory limit)"
+        status = "crash" if self.role == "candidate" else "error"
+        return Verdict(Feedback(status, f"the {self.role}'s process died: {why}",
+                                details={"traceback": tail}))  # fmt: skip
+
+    def start(self) -> dict:
+        """The host pid, then the ready message (or an import error) -> that message."""
+        pid = self._parse(self._recv()).get("pid")
+        if type(pid) is not int or pid <= 0:
+            raise reject("protocol", f"the {self.role}'s process sent no valid pid")
+        self.host_pid, self.clock = pid, cpu_clock(pid)
+        if self.cpu_s() is None:
+            raise reject("protocol", f"the {self.role}'s process sent a pid that is not its own")
+        return self._parse(self._recv())
+
+    def ask(self, msg: dict) -> dict:
+        self.sock.send(json.dumps(msg).encode())
+        return self._parse(self._recv())
+
+    def call(self, kernel: str, inputs: dict, seed: int, poison: list | None = None):
+        """One call -> (wall seconds from request to reply, CPU seconds the process used
+        meanwhile, copies of the outputs). The outputs are in shared memory before the
+        reply: nothing computed after it counts."""
+        early = self.sock.recv(1 << 16) if select.select([self.sock], [], [], 0)[0] else None
+        if early == b"":
+            raise self._died()
+        if early is not None:
+            raise reject("protocol", f"the {self.role}'s process sent a message nobody asked for")
+        metas, end = encode_inputs(self.buf, inputs, self.data_at)
+        msg = json.dumps({"op": "call", "kernel": kernel, "inputs": metas, "seed": seed,
+                          "out_at": end, "poison": poison}).encode()  # fmt: skip
+        c0 = self.cpu_s()
+        t0 = time.perf_counter()
+        self.sock.send(msg)
+        data = self._recv()
+        dt = time.perf_counter() - t0
+        c1 = self.cpu_s()
+        reply = self._parse(data)
+        if reply.get("ok") is not True:
+            raise self._failed(reply)
+        try:
+            if not isinstance(reply.get("outs"), list) or any(m is None for m in reply["outs"]):
+                raise ShmError("no output list")
+            views = [self.buf.get(m) for m in reply["outs"]]
+            if any(m["offset"] < end for m in reply["outs"]):  # the inputs, the pool
+                raise ShmError("outputs overlap the inputs")
+        except ShmError as e:
+            raise reject("protocol", f"the {self.role}'s process described its outputs "
+                          f"wrongly: {e}") from None  # fmt: skip
+        outs = [v.clone() for v in views]
+        self.last = list(zip(views, outs))
+        for name, t in inputs.items():
+            if isinstance(t, torch.Tensor) and not _same(
+                t.cpu(), self.buf.get(metas[name]["tensor"])
+            ):
+                raise reject("input_write", f"the {self.role} wrote into input {name}")
+        return dt, (c1 - c0 if c0 is not None and c1 is not None else dt), outs
+
+    def outputs_unchanged(self) -> bool:
+        return all(_same(v, c) for v, c in self.last)
+
+    def _failed(self, reply: dict) -> Verdict:
+        msg = str(reply.get("message", ""))[:2000]
+        if self.role != "candidate":
+            return Verdict(Feedback("error", f"the {self.role} failed: {msg}",
+                                    details={"traceback": str(reply.get("traceback", ""))}))  # fmt: skip
+        if reply.get("status") == "rejected":
+            return reject(str(reply.get("flag", "rejected"))[:40], msg)
+        return Verdict(Feedback("error", msg, details={"traceback": str(reply.get("traceback", ""))[:4000]}))  # fmt: skip
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds the server has used so far (None once it is gone)."""
+        if self.clock is None:
+            return None
+        try:
+            return time.clock_gettime(self.clock)
+        except OSError:
+            return None
+
+    def reap(self, grace_s: float = 1.0) -> int | None:
+        if self.pid is None:
+            return None
+        self.sock.close()
+        pid, self.pid, self.clock = self.pid, None, None
+        return Zygote.request({"op": "reap", "pid": pid, "grace_s": grace_s})["status"]
