@@ -133,10 +133,16 @@ def plot_loss_curves(run_dir: Path, out: Path | None = None) -> Path:
     ax_tps.set_xlabel("step")
     ax_tps.grid(True, alpha=0.3)
     ax_tps.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are counts
-    for m in markers:  # resumes and schedule changes, on every panel
+    at_step: dict = {}  # markers at one step share a line and one label (no overprinting)
+    for m in markers:
+        kinds = at_step.setdefault(m["step"], [])
+        if m["kind"] not in kinds:
+            kinds.append(m["kind"])
+    for step, kinds in at_step.items():  # resumes and schedule changes, on every panel
         for ax in (ax_loss, ax_lr, ax_tps):
-            ax.axvline(m["step"], color="gray", linestyle=":", linewidth=0.9)
-        ax_loss.annotate(m["kind"].replace("_", " "), (m["step"], 1.0), xycoords=("data", "axes fraction"),
+            ax.axvline(step, color="gray", linestyle=":", linewidth=0.9)
+        label = " + ".join(k.replace("_", " ") for k in kinds)
+        ax_loss.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"),
                          fontsize=7, color="dimgray", ha="left", va="top", rotation=90)  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -234,6 +234,10 @@ def test_model_reports_at_the_config_sequence_length(capsys):
     assert "bf16 compute copies" in out and "activation checkpointing selective (given)" in out
     rc, out, _ = run_model(capsys, "x25-293b", "--dp", "160", "--ep", "40", "--seq-len", "8192")
     assert rc == 0 and "layout: dp_shard 160 x ep 40\n" in out and "seq_len 8192 (given)" in out
+    # another layout keeps the production settings (not the demo config's 8 x fp32, no AC)
+    assert "micro-batch 1 (preset)" in out and "activation checkpointing full (preset)" in out
+    total = float(next(x for x in out.splitlines() if x.strip().startswith("total")).split()[1])
+    assert 20 < total < 200, out
 
 
 # ------------------------------------------------------------------------------ pre-flight

@@ -146,6 +146,14 @@ def test_format_summary_known_and_unknown_keys() -> None:
     assert len(text.splitlines()) == 9
 
 
+def test_wall_time_of_a_resumed_run_says_what_it_covers() -> None:
+    """After a restart or resume the process's wall time covers only this start."""
+    fresh = format_summary({"wall_time_s": 60, "resumed_from_step": 0})
+    resumed = format_summary({"wall_time_s": 60, "resumed_from_step": 34})
+    assert "wall time " in fresh and "since" not in fresh
+    assert "wall time since step 34" in resumed
+
+
 def _synthetic_run(run: Path) -> None:
     run.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -266,3 +274,24 @@ def test_eta_includes_time_spent_between_steps():
         now[0] += 1.0 + (10.0 if step == 6 else 0.0)  # the eval after step 5 shows up here
         bar.update(step, {"step_time": 1.0})
     assert bar.eta(10) == pytest.approx(10 * (19.0 / 9))  # not 10 x the 1 s step time
+
+
+def test_markers_at_one_step_share_one_label(tmp_path, monkeypatch):
+    """A resume that also changes the LR schedule: one line and one readable label."""
+    from matplotlib.axes import Axes
+
+    from wanka.report import plot_loss_curves
+    from wanka.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, True, 6, tensorboard=False)
+    for step in range(1, 7):
+        w.log_train(step, {"loss": 1.0 / step})
+        if step == 3:
+            w.log_event("resume", 3, source="disk")
+            w.log_event("lr_schedule_change", 3, message="steps 6 -> 9")
+    w.close()
+    labels: list = []
+    real = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda self, text, *a, **k: labels.append(text) or real(self, text, *a, **k))  # fmt: skip
+    assert plot_loss_curves(tmp_path).is_file()
+    assert labels == ["resume + lr schedule change"]

@@ -72,9 +72,11 @@ def resolve(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
     from wanka.device import resolve_device_type
 
     t, par = cfg.train, cfg.parallel
+    # The preset's settings (seq_len, micro-batch, bf16, AC) apply to the production flavor
+    # whatever the layout; its layout only when neither --dp/--ep nor the config sets one.
     preset = (cfg.model.flavor == PRESET_FLAVOR and args.dp is None and args.ep is None
               and (par.dp_shard, par.ep) == (ParallelConfig().dp_shard, ParallelConfig().ep))  # fmt: skip
-    P = X25_PRESET if preset else {}
+    P = X25_PRESET if cfg.model.flavor == PRESET_FLAVOR else {}
     src: list[str] = []
 
     def pick(arg, cfg_value, default_value, key):
@@ -85,8 +87,9 @@ def resolve(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
             return P[key], "preset"
         return cfg_value, "config"
 
-    ep = args.ep if args.ep is not None else P.get("ep", par.ep)
-    dp = args.dp if args.dp is not None else P.get("dp", par.dp_shard if par.dp_shard > 0 else ep)
+    L = P if preset else {}
+    ep = args.ep if args.ep is not None else L.get("ep", par.ep)
+    dp = args.dp if args.dp is not None else L.get("dp", par.dp_shard if par.dp_shard > 0 else ep)
     seq, s_seq = pick(args.seq_len, cfg.data.seq_len, DataConfig().seq_len, "seq_len")
     mb, s_mb = pick(args.micro_batch, t.micro_batch_size, TrainConfig().micro_batch_size,
                     "micro_batch")  # fmt: skip

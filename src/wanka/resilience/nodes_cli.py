@@ -39,6 +39,9 @@ def _table(a: argparse.Namespace) -> int:
               f"{_when(r['last_time']):19s}  {r['last_cause'] or '-':18s} {causes}")  # fmt: skip
         if r["status"] == "evicted":
             print(f"{'':16s} evicted: {r['reason']}")
+    print("faults: ranks that crashed, hung or ran slow; a NaN step skipped in place is "
+          "not a node fault (see `wanka report RUN_DIR`); counted: toward eviction (injected "
+          "faults and user errors never count)")  # fmt: skip
     _snapshot_section(a.snapshot_dir)
     return 0
 

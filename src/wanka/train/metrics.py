@@ -269,6 +269,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     for key, label, fmt in _SUMMARY_FIELDS:
         known.add(key)
         if summary.get(key) is not None:
+            if key == "wall_time_s" and summary.get("resumed_from_step"):  # a restart or resume
+                label = f"wall time since step {summary['resumed_from_step']}"
             rows.append((label, fmt(summary[key])))
     for key, value in summary.items():
         if key in known or value is None:
