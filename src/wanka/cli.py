@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from wanka.bench.cp_cli import add_bench_cp_parser
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
 from wanka.lab.cli import add_lab_parser
@@ -65,7 +66,9 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
     try:
-        ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes)
+        ParallelDims.resolve(
+            cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes, cfg.parallel.cp
+        )
     except ValueError as e:
         fit = cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else cfg.parallel.ep
         raise ValueError(f"{e}; use --nproc {max(fit // nnodes, 1)} or change [parallel]") from None
@@ -228,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
+    add_bench_cp_parser(b)
     bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")
     bm.add_argument("--quick", action="store_true", help="tiny only, fewer cases")
     bm.add_argument(

@@ -128,7 +128,8 @@ def validate(cfg: JobConfig) -> None:
         "model.n_experts": m.n_experts, "model.n_active_experts": m.n_active_experts,
         "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.micro_batch_size": t.micro_batch_size, "train.grad_accum": t.grad_accum,
-        "parallel.ep": cfg.parallel.ep, "model.n_index_heads": m.n_index_heads,
+        "parallel.ep": cfg.parallel.ep, "parallel.cp": cfg.parallel.cp,
+        "model.n_index_heads": m.n_index_heads,
         "model.expert_hidden": m.expert_hidden, "model.dense_hidden": m.dense_hidden,
         "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta,
         "train.log_every": t.log_every, "data.val_batches": d.val_batches,
@@ -168,6 +169,14 @@ def validate(cfg: JobConfig) -> None:
                           "pick ep among the divisors of n_experts")  # fmt: skip
     if d.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", f"{d.seq_len} > model.max_seq_len={m.max_seq_len}")
+    if (
+        cfg.parallel.cp > 1
+        and cfg.parallel.cp_layout == "contiguous"
+        and d.seq_len % cfg.parallel.cp
+    ):
+        raise ConfigError("parallel.cp", f"cp={cfg.parallel.cp} does not divide data.seq_len={d.seq_len}",
+                          "the contiguous layout cuts each row into cp equal chunks: pick a divisor, "
+                          "or parallel.cp_layout='head_tail' / 'dynamic'")  # fmt: skip
     if m.mtp_depth < 0 or m.mtp_depth >= d.seq_len:
         raise ConfigError("model.mtp_depth", f"must be in [0, seq_len), got {m.mtp_depth}")
     if t.warmup_steps < 0 or t.dense_warmup_steps < 0:

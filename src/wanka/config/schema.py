@@ -95,6 +95,10 @@ class TrainConfig:
 class ParallelConfig:
     dp_shard: int = -1  # -1: whatever the world size leaves
     ep: int = 1
+    cp: int = 1  # context parallel: ranks that share each sequence (cp innermost)
+    # How a CP group splits its documents: contiguous chunks of each row, head-tail chunks of
+    # each document, or a per-step cost-model plan over the whole dp x cp group.
+    cp_layout: Literal["contiguous", "head_tail", "dynamic"] = "dynamic"
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Validate parallel degrees against the world size and build the device meshes once.
 
-Layout (TorchTitan-style): data parallel shards everything with FSDP2 over `dp` ranks.
-Expert parallelism borrows its ranks from `dp`: the world is viewed as (dp_mod_ep, ep), experts
-are split over `ep` and FSDP-sharded over `dp_mod_ep`; all other parameters are sharded over the
-flattened `dp` axis. Context parallelism will add a `cp` axis here.
+Layout (TorchTitan-style): the world is dp_shard x cp ranks (cp innermost, so a context-parallel
+group sits inside a node and data parallelism goes across). FSDP2 shards every parameter over
+all of them (`fsdp`, the flattened dp x cp). `dp` splits the batch; `cp` splits each sequence
+(distributed/context_parallel.py). Expert parallelism borrows its ranks from dp x cp: the world
+is also viewed as (dp_mod_ep, ep), experts are split over `ep` and FSDP-sharded over
+`dp_mod_ep`.
 """
 
 from __future__ import annotations
@@ -22,48 +24,63 @@ class ParallelDims:
     dp_shard: int
     ep: int
     world_size: int
+    cp: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def resolve(cls, dp_shard: int, ep: int, world_size: int) -> ParallelDims:
+    def resolve(cls, dp_shard: int, ep: int, world_size: int, cp: int = 1) -> ParallelDims:
+        if cp <= 0:
+            raise ParallelError(f"parallel.cp={cp} must be positive (1 = no context parallelism)")
+        if world_size % cp != 0:
+            raise ParallelError(
+                f"parallel.cp={cp} must divide the world size {world_size} (launch a multiple "
+                f"of {cp} ranks with --nproc, or lower parallel.cp)"
+            )
         if dp_shard == -1:
-            dp_shard = world_size
+            dp_shard = world_size // cp
         if dp_shard <= 0 or ep <= 0:
             raise ParallelError(
                 f"parallel.dp_shard={dp_shard} and parallel.ep={ep} must be positive"
             )
-        if dp_shard != world_size:
+        if dp_shard * cp != world_size:
             raise ParallelError(
-                f"parallel.dp_shard={dp_shard} does not match the world size {world_size} "
-                f"(set parallel.dp_shard=-1 or launch {dp_shard} ranks with --nproc)"
+                f"parallel.dp_shard={dp_shard} x parallel.cp={cp} does not match the world size "
+                f"{world_size} (set parallel.dp_shard=-1 or launch {dp_shard * cp} ranks with "
+                "--nproc)"
             )
-        if dp_shard % ep != 0:
+        if world_size % ep != 0:
             raise ParallelError(
-                f"parallel.ep={ep} must divide parallel.dp_shard={dp_shard} (expert parallelism "
-                "borrows its ranks from data parallelism)"
+                f"parallel.ep={ep} must divide parallel.dp_shard x parallel.cp = {world_size} "
+                "(expert parallelism borrows its ranks from data and context parallelism)"
             )
-        return cls(dp_shard, ep, world_size)
+        return cls(dp_shard, ep, world_size, cp)
 
     @property
     def dp_mod_ep(self) -> int:
-        return self.dp_shard // self.ep
+        return self.world_size // self.ep
 
     @property
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def build_meshes(self, device_type: str) -> None:
         """Create the meshes (and their process groups) exactly once."""
         if self._meshes:
             return
-        world = init_device_mesh(
-            device_type, (self.dp_mod_ep, self.ep), mesh_dim_names=("dp_mod_ep", "ep")
-        )
+        flat = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("fsdp",))
+        batch = flat._unflatten("fsdp", (self.dp_shard, self.cp), ("dp", "cp"))
+        experts = flat._unflatten("fsdp", (self.dp_mod_ep, self.ep), ("dp_mod_ep", "ep"))
         self._meshes = {
-            "world": world,
-            "dp": world["dp_mod_ep", "ep"]._flatten("dp"),
-            "ep": world["ep"],
-            "dp_mod_ep": world["dp_mod_ep"],
+            "world": flat,
+            "fsdp": flat,
+            "dp": batch["dp"],
+            "cp": batch["cp"],
+            "ep": experts["ep"],
+            "dp_mod_ep": experts["dp_mod_ep"],
         }
 
     def mesh(self, name: str) -> DeviceMesh:

@@ -57,12 +57,18 @@ def parallelize(
     apply_activation_checkpointing(model, ac_mode)
 
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
-    dp = dims.mesh("dp")
+    dp = dims.mesh("fsdp")  # every rank: data and context parallel ranks hold the same params
+    # Under context parallelism each rank's autograd graph differs (its own document pieces),
+    # so the engine may reach a block's K/V reduce-scatter and FSDP's backward all-gather of
+    # another block in a different order on different ranks: a deadlock. Keeping the block's
+    # parameters gathered from forward to backward (ZeRO-2 style, more memory) leaves FSDP no
+    # collective in backward but the gradient reduce-scatters, whose order the graph fixes.
+    reshard = not dims.cp_enabled
     for block in checkpointed_blocks(model):
         if block.moe is not None and dims.ep_enabled:
-            fully_shard(block.moe.experts, mesh=dims.mesh("dp_mod_ep"), reshard_after_forward=True,
+            fully_shard(block.moe.experts, mesh=dims.mesh("dp_mod_ep"), reshard_after_forward=reshard,
                         mp_policy=mp)  # fmt: skip
-        fully_shard(block, mesh=dp, mp_policy=mp)
+        fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):

@@ -314,9 +314,15 @@ def _module_text(task: Task, rec: Record, prov: dict, backend: str, priority: in
     ]
     dev = ("cpu",) if task.device == "cpu" else (task.device,)
     # PROVENANCE goes after the source: a `from __future__` import must stay first.
+    # The lab times and checks attention kernels with as many queries as keys; under context
+    # parallelism the model also calls them with a query suffix, which they must decline.
+    attn = task.op in ("dense_attention", "sparse_attention", "lightning_indexer", "indexer_kl")
+    imports = "register as _lab_register" + (", query_suffix_unsupported" if attn else "")
+    supports = ", supports=query_suffix_unsupported" if attn else ""
     footer = ["", "", f"PROVENANCE = {literal}", "",
-              "from wanka.ops.registry import register as _lab_register  # noqa: E402", "",
-              f"_lab_register({task.op!r}, {backend!r}, device_types={dev!r}, priority={priority})(kernel)", ""]  # fmt: skip
+              f"from wanka.ops.registry import {imports}  # noqa: E402", "",
+              f"_lab_register({task.op!r}, {backend!r}, device_types={dev!r}, priority={priority}"
+              f"{supports})(kernel)", ""]  # fmt: skip
     return "\n".join(header) + rec.source.rstrip("\n") + "\n".join(footer)
 
 

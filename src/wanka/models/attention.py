@@ -68,20 +68,71 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         doc_ids: torch.Tensor,
         ropes: dict[str, torch.Tensor],
-        shared_indices: torch.Tensor | None,
+        shared_indices,
         phase: str,
+        layout=None,
     ) -> tuple[torch.Tensor, AttnAux]:
+        """layout: None, or a CPLayout (distributed/context_parallel.py) when this rank holds
+        only some pieces of the sequences: then keys come from the whole CP group and
+        `shared_indices` is one index tensor per layout segment."""
         B, L, _ = x.shape
         q = self.wq(x).view(B, L, self.n_heads, self.head_dim)
         k, v = self.wkv(x).split(self.head_dim, dim=-1)
         q = apply_rope(q, ropes["attn"], positions)
         k = apply_rope(k, ropes["attn"], positions)
-
-        sparse = L > self.topk
-        indices, kl_sum = shared_indices, None
+        qi = ki = wi = None
         if self.indexer is not None:
             # The indexer never sends gradient into the model: its input is detached.
             qi, ki, wi = self.indexer(x.detach(), ropes["index"], positions)
+
+        if layout is None:
+            out, indices, kl_sum = self._core(q, k, v, qi, ki, wi, doc_ids, shared_indices,
+                                              phase, sparse=L > self.topk)  # fmt: skip
+        else:
+            out, indices, kl_sum = self._core_cp(q, k, v, qi, ki, wi, doc_ids, shared_indices,
+                                                 phase, layout)  # fmt: skip
+        out = self.wo(out.reshape(B, L, -1))
+        return out, AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+
+    def _core_cp(self, q, k, v, qi, ki, wi, doc_ids, shared, phase, layout):
+        """Each segment's queries against its keys (local, or its document's gathered prefix)."""
+        # One collective for K, V and the indexer keys: its backward (a reduce-scatter) then has
+        # one place in every rank's autograd graph, whatever each rank's segments look like.
+        parts = [k, v] + ([ki] if ki is not None else [])
+        gathered = layout.gather(torch.cat(parts, dim=-1)).split([t.shape[-1] for t in parts], -1)
+        kg, vg = gathered[0], gathered[1]
+        kig = gathered[2] if ki is not None else None
+        outs, indices, kl_sum = [], [], None
+        for n, seg in enumerate(layout.segments):
+            a, b = seg.q0, seg.q1
+            if seg.keys is None:
+                ks, vs, docs = k[:, a:b], v[:, a:b], doc_ids[:, a:b]
+                kis = ki[:, a:b] if ki is not None else None
+            else:
+                ks, vs, docs = kg[:, seg.keys], vg[:, seg.keys], seg.key_docs
+                kis = kig[:, seg.keys] if kig is not None else None
+            qis, wis = (qi[:, a:b], wi[:, a:b]) if qi is not None else (None, None)
+            out, idx, kl = self._core(q[:, a:b], ks, vs, qis, kis, wis, docs,
+                                      shared[n] if shared is not None else None, phase,
+                                      sparse=layout.sparse)  # fmt: skip
+            outs.append(out)
+            indices.append(idx)
+            if kl is not None:
+                kl_sum = kl if kl_sum is None else kl_sum + kl
+        out = torch.cat(outs, dim=1)
+        if layout.needs_gather:
+            # Every rank must reach the gather's backward (a collective), even one whose
+            # segments read no remote key: tie the gathered buffer at zero cost into both
+            # things a loss may use (the output, and in dense warm-up only the indexer's KL).
+            tie = 0.0 * sum(t.sum() for t in gathered)
+            out = out + tie
+            kl_sum = kl_sum + tie if kl_sum is not None else None
+        return out, (indices if self.indexer is not None else shared), kl_sum
+
+    def _core(self, q, k, v, qi, ki, wi, doc_ids, indices, phase, sparse: bool):
+        """Attention of queries q (a suffix of the keys' positions) -> (out, indices, KL sum)."""
+        kl_sum = None
+        if self.indexer is not None:
             if sparse and phase == "sparse":
                 indices, sel_scores = ops.call("lightning_indexer", qi, ki, wi, doc_ids, self.topk)
                 target = ops.call("attention_probs", q.detach(), k.detach(), doc_ids, self.scale,
@@ -101,8 +152,7 @@ class Attention(nn.Module):
             out = ops.call("sparse_attention", q, k, v, indices, self.scale)
         else:
             out = ops.call("dense_attention", q, k, v, doc_ids, self.scale)
-        out = self.wo(out.reshape(B, L, -1))
-        return out, AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+        return out, indices, kl_sum
 
 
 def _kl(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

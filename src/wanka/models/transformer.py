@@ -42,9 +42,9 @@ class Block(nn.Module):
         self.moe = MoE(cfg) if is_moe else None
         self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
 
-    def forward(self, x, positions, doc_ids, ropes, shared_indices, phase):
+    def forward(self, x, positions, doc_ids, ropes, shared_indices, phase, layout=None):
         h, aux = self.attention(
-            self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase
+            self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase, layout
         )
         x = x + h
         moe_losses: MoELosses | None = None
@@ -121,12 +121,15 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor,
         labels: torch.Tensor,
         phase: str = "sparse",
+        layout=None,
     ) -> LossParts:
+        """layout: None, or a CPLayout when the rows are split over a context-parallel group
+        (it also carries the tokens and labels MTP looks ahead to, held by other ranks)."""
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         h = self.tok_embeddings(tokens)
         indices, kl_sum, kl_count, moe_losses = None, h.new_zeros(()), 0, []
         for blk in self.layers.values():
-            h, aux, losses = blk(h, positions, doc_ids, ropes, indices, phase)
+            h, aux, losses = blk(h, positions, doc_ids, ropes, indices, phase, layout)
             indices = aux.indices if aux.indices is not None else indices
             if aux.kl_sum is not None:
                 kl_sum, kl_count = kl_sum + aux.kl_sum, kl_count + aux.kl_count
@@ -137,10 +140,12 @@ class Transformer(nn.Module):
         mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
         for d, mtp in enumerate(self.mtp, start=1):
             # depth d at position t predicts token t+d+1: shift tokens/labels left by d.
-            nxt = self.tok_embeddings(_shift(tokens, d, 0))
+            ahead = _shift(tokens, d, 0) if layout is None else layout.mtp_tokens[d - 1]
+            nxt = self.tok_embeddings(ahead)
             h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
-            h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase)
-            s, c = _ce(self._logits(mtp.norm(h)), mtp_labels(labels, doc_ids, d))
+            h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase, layout)
+            target = mtp_labels(labels, doc_ids, d) if layout is None else layout.mtp_labels[d - 1]
+            s, c = _ce(self._logits(mtp.norm(h)), target)
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
 
         if moe_losses:

@@ -6,11 +6,27 @@ check, and win over the reference by priority. `WANKA_OPS_BACKEND="op=backend,..
 from the config's run.ops_backend) forces a backend, e.g. for benchmarks and tests.
 Porting to a new chip means adding one file per op to the op's package (importing the
 package imports every module in it, so its @register calls run), not editing the model.
+
+A backend may also decline a particular call: `register(..., supports=fn)`, where fn takes
+the call's arguments and returns why it cannot handle them (None: it can). `call` then uses
+the next usable backend by priority (logged once per op, backend and reason); a forced
+backend that declines raises ValueError. References never decline.
+
+Query-suffix contract (context parallelism) of the attention ops `dense_attention`,
+`attention_probs`, `lightning_indexer`, `indexer_scores`, `indexer_kl`, `sparse_attention`:
+queries may be a suffix of the keys. q has Lq <= Lk tokens, k / v (and the indexer's keys)
+have Lk, `doc_ids` is [B, Lk] (the keys' document ids), and query i sits at key position
+Lk - Lq + i (bottom-right aligned causal, the flash-attention convention). Outputs are per
+query ([B, Lq, ...]); indices returned or taken are key positions in [0, Lk). With
+Lq == Lk everything is as before. A backend that cannot do Lq < Lk declares it with
+`supports` (see `query_suffix_unsupported`) rather than computing something else: one
+registered without `supports` is taken to handle every call, this contract included.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import pkgutil
 import warnings
@@ -21,6 +37,9 @@ import torch
 
 ENV_OVERRIDE = "WANKA_OPS_BACKEND"
 
+log = logging.getLogger("wanka.ops.registry")
+_LOGGED: set[tuple[str, str, str]] = set()
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -29,6 +48,11 @@ class Backend:
     device_types: tuple[str, ...]  # ("*",) = every device
     priority: int
     available: Callable[[], bool]
+    # (the call's args, kwargs) -> why this backend cannot handle that call; None: it can
+    supports: Callable[..., str | None] | None = None
+
+    def declines(self, args: tuple, kwargs: dict) -> str | None:
+        return None if self.supports is None else self.supports(*args, **kwargs)
 
 
 # Registration happens at import time of the op packages, like torch's own op tables.
@@ -41,10 +65,14 @@ def register(
     device_types: tuple[str, ...] = ("*",),
     priority: int = 0,
     available: Callable[[], bool] = lambda: True,
+    supports: Callable[..., str | None] | None = None,
 ) -> Callable[[Callable], Callable]:
+    """Register `fn` as `backend` of `op`. `supports`, given a call's arguments, returns why
+    the backend cannot handle that call (None: it can); `call` then skips it."""
+
     def deco(fn: Callable) -> Callable:
         _REGISTRY.setdefault(op, {})[backend] = Backend(
-            backend, fn, device_types, priority, available
+            backend, fn, device_types, priority, available, supports
         )
         return fn
 
@@ -85,19 +113,29 @@ def backends(op: str) -> dict[str, Backend]:
     return _REGISTRY[op]
 
 
-def select(op: str, device_type: str) -> Backend:
-    """The backend `op` uses on `device_type`: forced one, else highest available priority."""
+def _candidates(op: str, device_type: str) -> tuple[list[Backend], bool]:
+    """Backends `op` may use on `device_type`, best first, and whether the first is forced
+    (then it is the only one)."""
     table = backends(op)
     forced = _forced().get(op) or _forced().get("*")
     if forced is not None and forced in table:
         b = table[forced]
         if not _supports(b, device_type) or not b.available():
             raise ValueError(f"backend {forced!r} of op {op!r} cannot run on {device_type}")
-        return b
+        return [b], True
     if forced is not None and _forced().get(op):
         raise ValueError(f"op {op!r} has no backend {forced!r}; have {', '.join(table)}")
     usable = [b for b in table.values() if _supports(b, device_type) and b.available()]
-    return max(usable, key=lambda b: b.priority)
+    if not usable:
+        raise ValueError(f"op {op!r} has no usable backend on {device_type}")
+    # stable: among equal priorities the first registered wins, as max() picks
+    return sorted(usable, key=lambda b: -b.priority), False
+
+
+def select(op: str, device_type: str) -> Backend:
+    """The backend `op` uses on `device_type`: forced one, else highest available priority
+    (before any per-call `supports` check; `call` does that)."""
+    return _candidates(op, device_type)[0][0]
 
 
 def _supports(b: Backend, device_type: str) -> bool:
@@ -105,5 +143,34 @@ def _supports(b: Backend, device_type: str) -> bool:
 
 
 def call(op: str, *args: torch.Tensor, **kwargs):
-    """Dispatch on the device of the first tensor argument."""
-    return select(op, args[0].device.type).fn(*args, **kwargs)
+    """Dispatch on the device of the first tensor argument, skipping backends whose
+    `supports` declines this call (a forced one that declines raises ValueError)."""
+    device_type = args[0].device.type
+    cands, forced = _candidates(op, device_type)
+    first = cands[0]
+    why = first.declines(args, kwargs)
+    if why is None:
+        return first.fn(*args, **kwargs)
+    if forced:
+        raise ValueError(f"op {op!r}: forced backend {first.name!r} cannot handle this call: {why}")
+    for b in cands[1:]:
+        if b.declines(args, kwargs) is None:
+            _log_fallback_once(op, first.name, why, b.name)
+            return b.fn(*args, **kwargs)
+    raise ValueError(f"op {op!r}: no backend on {device_type} can handle this call ({why})")
+
+
+def _log_fallback_once(op: str, backend: str, why: str, used: str) -> None:
+    # once per (op, backend, reason): a run shows which path it took without flooding
+    if (op, backend, why) in _LOGGED:
+        return
+    _LOGGED.add((op, backend, why))
+    log.warning("%s: backend %r cannot handle this call (%s); using %r", op, backend, why, used)
+
+
+def query_suffix_unsupported(q: torch.Tensor, k: torch.Tensor, *_args, **_kwargs) -> str | None:
+    """`supports` for a backend of the attention ops without the query-suffix contract
+    (module docstring): it declines calls with fewer queries than keys (dim 1)."""
+    if q.shape[1] != k.shape[1]:
+        return "fewer queries than keys (query suffix, Lq < Lk) is not supported"
+    return None

@@ -120,7 +120,7 @@ def _check_config(cfg) -> CheckResult:
 def _dims(cfg, world_size: int):
     from wanka.distributed.parallel_dims import ParallelDims
 
-    return ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world_size)
+    return ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world_size, cfg.parallel.cp)
 
 
 def _check_degrees(cfg, world_size: int, nnodes: int) -> CheckResult:

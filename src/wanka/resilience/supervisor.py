@@ -226,7 +226,10 @@ class Supervisor:
 
         try:
             ParallelDims.resolve(
-                self.cfg.parallel.dp_shard, self.cfg.parallel.ep, nodes * self.nproc
+                self.cfg.parallel.dp_shard,
+                self.cfg.parallel.ep,
+                nodes * self.nproc,
+                self.cfg.parallel.cp,
             )
         except ParallelError:
             return False

@@ -28,6 +28,7 @@ from wanka.device import (
     peak_memory_bytes,
     resolve_device_type,
 )
+from wanka.distributed.context_parallel import CPLayout, CPSharder
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
@@ -60,6 +61,14 @@ class Job:
     run_dir: Path
     n_indexers: int
     runtime: Runtime | None = None
+    cp_shard: CPSharder | None = None  # context parallel: rows of the group -> this rank's share
+
+    def local(self, b: Batch) -> tuple[Batch, CPLayout | None]:
+        """A loaded micro-batch -> what this rank computes, on the device."""
+        if self.cp_shard is None:
+            return b.to(self.device, non_blocking=True), None
+        mine, layout = self.cp_shard(b)
+        return mine.to(self.device, non_blocking=True), layout.to(self.device)
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +88,7 @@ def setup(cfg: JobConfig) -> Job:
     runtime = Runtime(cfg, rank)
     runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
     runtime.chaos.at_start()
-    dims = ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world)
+    dims = ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world, cfg.parallel.cp)
     dims.build_meshes(device_type)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -90,10 +99,16 @@ def setup(cfg: JobConfig) -> Job:
     train_ds = TokenDataset(data_path, "train")
     check_vocab(train_ds.vocab_size, cfg.model.vocab_size)
     dp_rank = dims.mesh("dp").get_local_rank()
-    loader = PackedLoader(train_ds, cfg.data.seq_len, cfg.train.micro_batch_size, dp_rank,
-                          dims.dp_shard, cfg.train.seed)  # fmt: skip
-    val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len,
-                             cfg.train.micro_batch_size, cfg.data.val_batches, dp_rank, dims.dp_shard)  # fmt: skip
+    rows, load_rank, load_ranks = cfg.train.micro_batch_size, dp_rank, dims.dp_shard
+    cp_shard = None
+    if dims.cp_enabled:  # every rank loads the rows of all dp groups; the plan splits them
+        rows, load_rank, load_ranks = rows * dims.dp_shard, 0, 1
+        cp_shard = CPSharder(dims.dp_shard, dims.cp, dp_rank, dims.mesh("cp").get_local_rank(),
+                             dims.mesh("cp").get_group(), cfg.parallel.cp_layout,
+                             cfg.model.mtp_depth, cfg.data.seq_len > cfg.model.index_topk)  # fmt: skip
+    loader = PackedLoader(train_ds, cfg.data.seq_len, rows, load_rank, load_ranks, cfg.train.seed)
+    val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len, rows,
+                             cfg.data.val_batches, load_rank, load_ranks)  # fmt: skip
 
     # Meta device -> empty storage -> deterministic init -> shard.
     with torch.device("meta"):
@@ -108,7 +123,8 @@ def setup(cfg: JobConfig) -> Job:
         optimizer = build_optimizer(model, cfg.train)
     except ValueError as e:  # torch's own checks, should a value slip past the schema's
         raise ConfigError(_optimizer_field(str(e)), str(e).splitlines()[0]) from None
-    return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime)
+    return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime,
+               cp_shard)  # fmt: skip
 
 
 def _optimizer_field(message: str) -> str:
@@ -180,22 +196,23 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     phase = phase_at(cfg, step)
     lr = set_lr(job.optimizer, step, cfg.train)
     rt.progress.enter("data", step)
-    micro = [
-        job.loader.next_batch().to(job.device, non_blocking=True)
-        for _ in range(cfg.train.grad_accum)
-    ]
+    micro = [job.local(job.loader.next_batch()) for _ in range(cfg.train.grad_accum)]
     if delay := rt.chaos.delay(step):
         time.sleep(delay)  # an injected straggler
 
     rt.progress.enter("sync", step)  # local data work ends here: a straggler shows in "data"
     # Global target counts first, so each micro-batch's loss is scaled to the global mean.
-    counts = torch.tensor([sum(int((b.labels != -100).sum()) for b in micro),
-                           sum(_mtp_targets(b, cfg.model.mtp_depth) for b in micro)],
+    counts = torch.tensor([sum(int((b.labels != -100).sum()) for b, _ in micro),
+                           sum(_mtp_targets(b, lay, cfg.model.mtp_depth) for b, lay in micro)],
                           dtype=torch.float64)  # fmt: skip
     dist.all_reduce(counts)
     n_lm, n_mtp = counts.clamp(min=1).tolist()
-    n_micro_global = cfg.train.grad_accum * job.dims.dp_shard
-    n_kl = max(n_micro_global * micro[0].tokens.numel() * job.n_indexers, 1)
+    # Balance losses are one term per micro-batch per rank (under CP: per rank's share).
+    n_micro_global = cfg.train.grad_accum * job.dims.world_size
+    tokens = (
+        cfg.train.grad_accum * job.dims.dp_shard * cfg.train.micro_batch_size * cfg.data.seq_len
+    )
+    n_kl = max(tokens * job.n_indexers, 1)
 
     # A bad step (non-finite or spiking loss) is computed once more from the same state and
     # batch: a transient fault then leaves no trace; bad twice, the batch is skipped.
@@ -229,7 +246,6 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         model, cfg.model.bias_update_rate if phase == "sparse" and not skipped else 0.0
     )
     dt = time.perf_counter() - t0
-    tokens = n_micro_global * micro[0].tokens.numel()
     lm, mtp, kl_sum, bal, seq_bal, _ = sums.tolist()
     return {
         "loss": kl_sum / n_kl if phase == "dense_warmup" else lm / n_lm,  # what is trained
@@ -242,18 +258,18 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_mtp: float,
+def _forward_backward(job: Job, micro: list[tuple[Batch, CPLayout | None]], phase: str, n_lm: float, n_mtp: float,
                       n_kl: float, n_micro_global: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of the global-mean loss over all micro-batches; returns the global loss sums
     (all-reduced, so every rank can judge the step alike) and the clipped global grad norm."""
     cfg, model, rt = job.cfg, job.model, job.runtime
     sums = torch.zeros(6, dtype=torch.float64)  # lm, mtp, kl, balance, seq balance, injected
-    for i, b in enumerate(micro):
+    for i, (b, layout) in enumerate(micro):
         # Accumulate unsharded grads locally; reduce-scatter once, after the last micro-batch.
         model.set_requires_gradient_sync(i == len(micro) - 1)
         rt.progress.enter("forward", step)
         # bf16 compute comes from FSDP's mixed-precision policy (set in parallelize), not autocast.
-        parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase)
+        parts = model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase, layout=layout)
         kl = parts.kl_sum / n_kl
         if phase == "dense_warmup":
             loss = kl  # only the indexer learns
@@ -276,7 +292,9 @@ def _forward_backward(job: Job, micro: list[Batch], phase: str, n_lm: float, n_m
     return sums, grad_norm
 
 
-def _mtp_targets(b: Batch, depth: int) -> int:
+def _mtp_targets(b: Batch, layout: CPLayout | None, depth: int) -> int:
+    if layout is not None:  # the labels MTP looks ahead to may sit on another rank
+        return sum(int((t != -100).sum()) for t in layout.mtp_labels)
     return sum(int((mtp_labels(b.labels, b.doc_ids, d) != -100).sum()) for d in range(1, depth + 1))
 
 
@@ -298,9 +316,10 @@ def evaluate(job: Job, step: int) -> float:
     """Held-out LM loss in nats per token (per byte with the byte tokenizer)."""
     job.model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
-    for b in job.val:
-        b = b.to(job.device, non_blocking=True)
-        parts = job.model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase_at(job.cfg, step))
+    for rows in job.val:
+        b, layout = job.local(rows)
+        parts = job.model(b.tokens, b.positions, b.doc_ids, b.labels, phase=phase_at(job.cfg, step),
+                          layout=layout)  # fmt: skip
         sums += torch.stack([parts.lm_sum.double().cpu(), parts.lm_count.double().cpu()])
     for m in job.model.moe_layers():
         m.load.zero_()  # eval routing must not count toward balancing
@@ -321,7 +340,7 @@ def run(cfg: JobConfig) -> dict:
     snapshots = rt.snapshot_store(job.dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   layout_signature(job.model, job.dims.world_size,
                                                    _train_state(job)["model_config"],
-                                                   f"dp{job.dims.dp_shard}-ep{job.dims.ep}"))  # fmt: skip
+                                                   f"dp{job.dims.dp_shard}-ep{job.dims.ep}-cp{job.dims.cp}"))  # fmt: skip
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
@@ -338,8 +357,8 @@ def run(cfg: JobConfig) -> dict:
         if job.is_main:
             log.warning("%s", change)
         metrics.log_event("lr_schedule_change", start, message=change)
-    log.info("run dir %s | world %d (dp %d x ep %d) | start step %d", job.run_dir,
-             job.dims.world_size, job.dims.dp_shard, job.dims.ep, start)  # fmt: skip
+    log.info("run dir %s | world %d (dp %d x cp %d, ep %d) | start step %d", job.run_dir,
+             job.dims.world_size, job.dims.dp_shard, job.dims.cp, job.dims.ep, start)  # fmt: skip
 
     tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
     mtbf = float(os.environ.get("WANKA_MTBF_S") or cfg.checkpoint.mtbf_s)

@@ -8,6 +8,10 @@ or [B, L, H, L] scores. Here a block of C queries at a time gathers only its own
 keys (or reads its visible key span) and scores them, so the extra memory is
 O(C * K * max(H, D)) while the output keeps the reference's shape and values.
 
+Queries may be a suffix of the keys (q [B, Lq, ...], k / doc_ids [B, Lk], query i at key
+position Lk - Lq + i; `wanka.ops.registry` docstring): blocks are taken over the queries and
+the visible key span is found from their key positions.
+
 Generic torch (index_select, bmm, softmax): valid on every device, so it is registered for
 all of them.
 """
@@ -18,6 +22,7 @@ import torch
 
 from wanka.ops.common import new_output
 from wanka.ops.dense_attention.cpu import check_doc_ids
+from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.indexer_kl.chunked import _target, _visible
 from wanka.ops.lightning_indexer.cpu import _doc_starts
 from wanka.ops.registry import register
@@ -53,16 +58,19 @@ def _over_selected(q, k, indices, scale, chunk_size):
 
 def _over_visible(q, k, doc_ids, scale, chunk_size):
     B, L, H, _ = q.shape
+    Lk = k.shape[1]
+    off = query_offset(L, Lk)
     check_doc_ids(doc_ids)
-    out = torch.zeros(B, L, L, dtype=torch.float32, device=q.device)  # hidden keys get 0
+    out = torch.zeros(B, L, Lk, dtype=torch.float32, device=q.device)  # hidden keys get 0
     starts = _doc_starts(doc_ids)
-    C = block_rows(L, H, L, chunk_size)
+    C = block_rows(L, H, Lk, chunk_size)
     for b in range(B):
         for t0 in range(0, L, C):
             t1 = min(L, t0 + C)
-            s0 = int(starts[b, t0])  # the block sees keys s0 .. t1 - 1 only
-            vis = _visible(t0, t1, s0, starts[b])
-            out[b, t0:t1, s0:t1] = _target(q[b, t0:t1], k[b, s0:t1], vis, scale)
+            p0, p1 = off + t0, off + t1  # key positions of the block's queries
+            s0 = int(starts[b, p0])  # the block sees keys s0 .. p1 - 1 only
+            vis = _visible(p0, p1, s0, starts[b])
+            out[b, t0:t1, s0:p1] = _target(q[b, t0:t1], k[b, s0:p1], vis, scale)
     return out
 
 
@@ -75,10 +83,11 @@ def attention_probs(
     indices: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Same contract and values as `reference.attention_probs`: q [B, L, H, D], k [B, L, D] ->
-    [B, L, K] over `indices` [B, L, K] (-1 = empty slot), or [B, L, L] over the visible keys
-    (causal, same document; doc_ids rows non-decreasing). No gradient. `chunk_size` (queries
-    per block; default from the shapes) is for tests."""
+    """Same contract and values as `reference.attention_probs`: q [B, Lq, H, D], k [B, Lk, D]
+    (Lq <= Lk: the queries are the last Lq key positions) -> [B, Lq, K] over `indices`
+    [B, Lq, K] (key positions, -1 = empty slot), or [B, Lq, Lk] over the visible keys
+    (causal, same document; doc_ids [B, Lk] rows non-decreasing). No gradient. `chunk_size`
+    (queries per block; default from the shapes) is for tests."""
     with torch.no_grad():
         if indices is None:
             return _over_visible(q, k, doc_ids, scale, chunk_size)

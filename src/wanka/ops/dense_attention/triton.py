@@ -17,6 +17,11 @@ inputs are upcast to float32 and use TF32.
 
 doc_ids rows must be non-decreasing (packed documents are contiguous runs).
 
+Queries may be a suffix of the keys (q [B, Lq, ...], k / v / doc_ids [B, Lk], query i at key
+position OFF + i with OFF = Lk - Lq; `wanka.ops.registry` docstring): the kernels take the
+query count L and OFF (default 0), index queries, O, the log-sum-exp and dQ by query index
+and compare key positions with OFF + query index.
+
 Triton is optional: without it this module registers an unavailable backend and defines
 no kernels. Tests run the kernels on CPU tensors with TRITON_INTERPRET=1.
 """
@@ -27,6 +32,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from wanka.ops.common import new_output
+from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.registry import register
 from wanka.ops.triton_common import HAVE_TRITON, dot_precision, pow2, tl, triton
 
@@ -39,7 +45,7 @@ if HAVE_TRITON:
         sob, sol, soh, sod,
         L, H, D,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, OFF=0,
     ):  # fmt: skip
         mb = tl.program_id(0)
         bh = tl.program_id(1)
@@ -58,16 +64,18 @@ if HAVE_TRITON:
             other=0.0,
         ).to(tl.float32)
         q = q * scale
-        doc_q = tl.load(DOC + b * L + offs_m, mask=mm, other=-1)
-        lo = tl.load(START + b * L + m0)
+        LK = L + OFF  # keys; query i sits at key position OFF + i
+        pos_m = OFF + offs_m
+        doc_q = tl.load(DOC + b * LK + pos_m, mask=mm, other=-1)
+        lo = tl.load(START + b * LK + OFF + m0)
         lo = (lo // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(m0 + BLOCK_M, L)
+        hi = tl.minimum(OFF + m0 + BLOCK_M, LK)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         lsum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + offs_n0
-            nm = offs_n < L
+            nm = offs_n < LK
             kvm = nm[:, None] & dm[None, :]
             kt = tl.load(
                 Kp + b * skb + offs_n[:, None] * skl + offs_d[None, :] * skd, mask=kvm, other=0.0
@@ -75,9 +83,9 @@ if HAVE_TRITON:
             vt = tl.load(
                 Vp + b * svb + offs_n[:, None] * svl + offs_d[None, :] * svd, mask=kvm, other=0.0
             ).to(tl.float32)
-            doc_k = tl.load(DOC + b * L + offs_n, mask=nm, other=-2)
+            doc_k = tl.load(DOC + b * LK + offs_n, mask=nm, other=-2)
             valid = (
-                (offs_n[None, :] <= offs_m[:, None])
+                (offs_n[None, :] <= pos_m[:, None])
                 & (doc_k[None, :] == doc_q[:, None])
                 & nm[None, :]
                 & mm[:, None]
@@ -108,7 +116,7 @@ if HAVE_TRITON:
         sdob, sdol, sdoh, sdod, sdqb, sdql, sdqh, sdqd,
         L, H, D,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, OFF=0,
     ):  # fmt: skip
         mb = tl.program_id(0)
         bh = tl.program_id(1)
@@ -134,14 +142,16 @@ if HAVE_TRITON:
         ).to(tl.float32)
         lse = tl.load(LSE + bh.to(tl.int64) * L + offs_m, mask=mm, other=0.0)
         delta = tl.load(DELTA + bh.to(tl.int64) * L + offs_m, mask=mm, other=0.0)
-        doc_q = tl.load(DOC + b * L + offs_m, mask=mm, other=-1)
-        lo = tl.load(START + b * L + m0)
+        LK = L + OFF  # keys; query i sits at key position OFF + i
+        pos_m = OFF + offs_m
+        doc_q = tl.load(DOC + b * LK + pos_m, mask=mm, other=-1)
+        lo = tl.load(START + b * LK + OFF + m0)
         lo = (lo // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(m0 + BLOCK_M, L)
+        hi = tl.minimum(OFF + m0 + BLOCK_M, LK)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + offs_n0
-            nm = offs_n < L
+            nm = offs_n < LK
             kvm = nm[:, None] & dm[None, :]
             kt = tl.load(
                 Kp + b * skb + offs_n[:, None] * skl + offs_d[None, :] * skd, mask=kvm, other=0.0
@@ -149,9 +159,9 @@ if HAVE_TRITON:
             vt = tl.load(
                 Vp + b * svb + offs_n[:, None] * svl + offs_d[None, :] * svd, mask=kvm, other=0.0
             ).to(tl.float32)
-            doc_k = tl.load(DOC + b * L + offs_n, mask=nm, other=-2)
+            doc_k = tl.load(DOC + b * LK + offs_n, mask=nm, other=-2)
             valid = (
-                (offs_n[None, :] <= offs_m[:, None])
+                (offs_n[None, :] <= pos_m[:, None])
                 & (doc_k[None, :] == doc_q[:, None])
                 & nm[None, :]
                 & mm[:, None]
@@ -175,15 +185,16 @@ if HAVE_TRITON:
         sdob, sdol, sdoh, sdod, sdkb, sdkl, sdkd, sdvb, sdvl, sdvd,
         L, H, D,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, OFF=0,
     ):  # fmt: skip
         nb = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
+        LK = L + OFF  # keys; query i sits at key position OFF + i
         n0 = nb * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        nm = offs_n < L
+        nm = offs_n < LK
         dm = offs_d < D
         kvm = nm[:, None] & dm[None, :]
         kt = tl.load(
@@ -192,10 +203,11 @@ if HAVE_TRITON:
         vt = tl.load(
             Vp + b * svb + offs_n[:, None] * svl + offs_d[None, :] * svd, mask=kvm, other=0.0
         ).to(tl.float32)
-        doc_k = tl.load(DOC + b * L + offs_n, mask=nm, other=-2)
-        last = tl.minimum(n0 + BLOCK_N, L) - 1
-        hi = tl.load(END + b * L + last)  # exclusive end of the last key's document
-        lo = (n0 // BLOCK_M) * BLOCK_M
+        doc_k = tl.load(DOC + b * LK + offs_n, mask=nm, other=-2)
+        last = tl.minimum(n0 + BLOCK_N, LK) - 1
+        # query indices: from the first that may see key n0 to the last key's document end
+        hi = tl.load(END + b * LK + last) - OFF
+        lo = (tl.maximum(n0 - OFF, 0) // BLOCK_M) * BLOCK_M
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         for h in range(0, H):
@@ -216,9 +228,9 @@ if HAVE_TRITON:
                 row = (b * H + h) * L + offs_m
                 lse = tl.load(LSE + row, mask=mm, other=0.0)
                 delta = tl.load(DELTA + row, mask=mm, other=0.0)
-                doc_q = tl.load(DOC + b * L + offs_m, mask=mm, other=-1)
+                doc_q = tl.load(DOC + b * LK + OFF + offs_m, mask=mm, other=-1)
                 valid = (
-                    (offs_n[:, None] <= offs_m[None, :])
+                    (offs_n[:, None] <= OFF + offs_m[None, :])
                     & (doc_k[:, None] == doc_q[None, :])
                     & nm[:, None]
                     & mm[None, :]
@@ -243,6 +255,7 @@ if HAVE_TRITON:
 
 
 def _blocks(L: int, D: int, block: int | None):
+    """L: the number of keys (>= queries)."""
     bm = min(64, pow2(L)) if block is None else pow2(block)
     return bm, pow2(D)
 
@@ -262,40 +275,42 @@ def _doc_bounds(doc_ids: torch.Tensor):
 
 def _forward(q, k, v, doc, start, scale, block):
     B, L, H, D = q.shape
+    off = k.shape[1] - L
     out = new_output((B, L, H, D), q.dtype, q.device)
     lse = new_output((B, H, L), torch.float32, q.device)
     if B * L * H == 0:
         return out, lse
-    BM, BD = _blocks(L, D, block)
+    BM, BD = _blocks(k.shape[1], D, block)
     _fwd_kernel[(triton.cdiv(L, BM), B * H)](
         q, k, v, doc, start, out, lse, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype), OFF=off,
     )  # fmt: skip
     return out, lse
 
 
 def _backward(q, k, v, doc, start, end, out, lse, dout, scale, block):
     B, L, H, D = q.shape
+    Lk = k.shape[1]
     dq = new_output((B, L, H, D), q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
     if B * L * H == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, L]
-    BM, BD = _blocks(L, D, block)
+    BM, BD = _blocks(Lk, D, block)
     _bwd_dq_kernel[(triton.cdiv(L, BM), B * H)](
         q, k, v, doc, start, dout, lse, delta, dq, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype), OFF=Lk - L,
     )  # fmt: skip
-    _bwd_dkdv_kernel[(triton.cdiv(L, BM), B)](
+    _bwd_dkdv_kernel[(triton.cdiv(Lk, BM), B)](
         q, k, v, doc, end, dout, lse, delta, dk, dv, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
         L, H, D,
-        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype),
+        BLOCK_M=BM, BLOCK_N=BM, BLOCK_D=BD, PREC=dot_precision(q.dtype), OFF=Lk - L,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -303,6 +318,7 @@ def _backward(q, k, v, doc, start, end, out, lse, dout, scale, block):
 class _DenseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, doc_ids, scale, block):
+        query_offset(q.shape[1], k.shape[1])  # validates Lq <= Lk
         doc = doc_ids.to(torch.int32).contiguous()
         start, end = _doc_bounds(doc)
         out, lse = _forward(q, k, v, doc, start, scale, block)
@@ -341,8 +357,8 @@ def dense_attention(
     scale: float,
     block: int | None = None,
 ) -> torch.Tensor:
-    """q [B, L, H, D]; k, v [B, L, D] (one shared KV head); doc_ids [B, L] non-decreasing
-    -> [B, L, H, D].
+    """q [B, Lq, H, D]; k, v [B, Lk, D] (one shared KV head); doc_ids [B, Lk] non-decreasing
+    -> [B, Lq, H, D]. Lq <= Lk: the queries are the last Lq key positions.
 
     Same contract and result as the reference. `block` (query/key tile length, rounded up to
     a power of two >= 16) is for tests and tuning.

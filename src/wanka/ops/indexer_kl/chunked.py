@@ -19,6 +19,10 @@ block of C queries instead of O(H * L^2):
   gradient. The attention q and k get no gradient (the reference's target is computed
   without one either).
 
+Queries may be a suffix of the keys (q / qi / wi [B, Lq, ...], k / ki / doc_ids [B, Lk],
+query i at key position Lk - Lq + i; `wanka.ops.registry` docstring): blocks are taken over
+the queries, and spans and masks use their key positions.
+
 Generic torch (GEMMs, softmax): valid on every device, so it is registered for all of them.
 """
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from wanka.ops.dense_attention.cpu import check_doc_ids
+from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.lightning_indexer.cpu import _doc_starts
 from wanka.ops.registry import register
 
@@ -36,14 +41,16 @@ from wanka.ops.registry import register
 CHUNK_ELEMS = 1 << 24
 
 
-def _rows(L: int, H: int, Hi: int, chunk_size: int | None) -> int:
+def _rows(L: int, H: int, Hi: int, chunk_size: int | None, Lk: int | None = None) -> int:
+    """Queries per block, of L queries over Lk (default L) keys."""
     if chunk_size is not None:
         return max(1, min(int(chunk_size), L))
-    return max(1, min(L, CHUNK_ELEMS // max(1, max(H, Hi) * L)))
+    return max(1, min(L, CHUNK_ELEMS // max(1, max(H, Hi) * (Lk or L))))
 
 
 def _visible(t0: int, t1: int, s0: int, starts_row: torch.Tensor) -> torch.Tensor:
-    """[t1 - t0, t1 - s0] bool: key s0 + j is visible to query t0 + i (causal, same doc)."""
+    """[t1 - t0, t1 - s0] bool: key s0 + j is visible to the query at key position t0 + i
+    (causal, same doc; starts_row [Lk] indexed by key position)."""
     dev = starts_row.device
     pos_q = torch.arange(t0, t1, device=dev)[:, None]
     pos_k = torch.arange(s0, t1, device=dev)[None, :]
@@ -86,8 +93,9 @@ class _ChunkedKL(torch.autograd.Function):
     def forward(ctx, q, k, qi, ki, wi, doc_ids, scale, chunk_size):
         B, L, H, _ = q.shape
         Hi, Di = qi.shape[2:]
+        off = query_offset(L, k.shape[1])  # key position of query 0
         starts = _doc_starts(doc_ids)
-        C = _rows(L, H, Hi, chunk_size)
+        C = _rows(L, H, Hi, chunk_size, k.shape[1])
         want_grad = any(ctx.needs_input_grad[2:5])
         if want_grad:
             dqi, dwi = torch.empty_like(qi), torch.empty_like(wi)
@@ -97,11 +105,13 @@ class _ChunkedKL(torch.autograd.Function):
             for b in range(B):
                 st = starts[b].tolist()
                 for t0 in range(0, L, C):
-                    t1, s0 = min(L, t0 + C), st[t0]
-                    n, span = t1 - t0, t1 - s0
-                    vis = _visible(t0, t1, s0, starts[b])
-                    qi_c, ki_s, wi_c = qi[b, t0:t1], ki[b, s0:t1], wi[b, t0:t1]
-                    p = _target(q[b, t0:t1], k[b, s0:t1], vis, scale)
+                    t1 = min(L, t0 + C)
+                    p0, p1 = off + t0, off + t1  # key positions of the block's queries
+                    s0 = st[p0]
+                    n, span = t1 - t0, p1 - s0
+                    vis = _visible(p0, p1, s0, starts[b])
+                    qi_c, ki_s, wi_c = qi[b, t0:t1], ki[b, s0:p1], wi[b, t0:t1]
+                    p = _target(q[b, t0:t1], k[b, s0:p1], vis, scale)
                     r, sc = _scores(qi_c, ki_s, wi_c, vis)
                     parts.append(_kl_block(p, sc, vis))
                     if not want_grad:
@@ -114,7 +124,7 @@ class _ChunkedKL(torch.autograd.Function):
                     dr = r.sign_().mul_(wi_c[:, :, None]).mul_(ds[:, None, :])
                     dr = dr.view(n * Hi, span)
                     dqi[b, t0:t1] = torch.matmul(dr, ki_s).view(n, Hi, Di)
-                    dki[b, s0:t1] += torch.matmul(dr.t(), qi_c.reshape(n * Hi, Di)).float()
+                    dki[b, s0:p1] += torch.matmul(dr.t(), qi_c.reshape(n * Hi, Di)).float()
         if want_grad:
             ctx.save_for_backward(dqi, dki.to(ki.dtype), dwi)
         if not parts:
@@ -150,10 +160,11 @@ def indexer_kl(
     *,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `reference.indexer_kl`: q [B, L, H, D], k [B, L, D] (the target, no
-    gradient), qi [B, L, Hi, Di], ki [B, L, Di], wi [B, L, Hi] -> scalar float32 KL sum,
-    differentiable w.r.t. qi, ki, wi. doc_ids [B, L] rows must be non-decreasing.
+    """Same contract as `reference.indexer_kl`: q [B, Lq, H, D], k [B, Lk, D] (the target, no
+    gradient), qi [B, Lq, Hi, Di], ki [B, Lk, Di], wi [B, Lq, Hi] -> scalar float32 KL sum
+    over the B * Lq queries, differentiable w.r.t. qi, ki, wi. Lq <= Lk: the queries are the
+    last Lq key positions. doc_ids [B, Lk] rows must be non-decreasing.
     `chunk_size` queries are processed at a time (default: as many as keep the largest
-    per-block intermediate [C, max(H, Hi), L] under CHUNK_ELEMS elements)."""
+    per-block intermediate [C, max(H, Hi), Lk] under CHUNK_ELEMS elements)."""
     check_doc_ids(doc_ids)
     return _ChunkedKL.apply(q, k, qi, ki, wi, doc_ids, float(scale), chunk_size)

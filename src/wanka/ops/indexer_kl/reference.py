@@ -4,6 +4,10 @@ The base implementation, and the definition of correct: the indexer's full [B, L
 matrix (`indexer_scores`) against the full attention target (`attention_probs`, [B, L, H, L]
 logits). O(L^2) memory; the `chunked` backend computes the same value and gradients one
 block of queries at a time.
+
+Queries may be a suffix of the keys (context parallelism; `wanka.ops.registry` docstring):
+q / qi / wi have Lq <= Lk tokens, k / ki / doc_ids have Lk, query i sits at key position
+Lk - Lq + i, and the sum runs over the B * Lq queries.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ def indexer_kl(
     doc_ids: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, L, H, D], k [B, L, D]: the attention's queries and single key head (the target,
-    no gradient); qi [B, L, Hi, Di], ki [B, L, Di], wi [B, L, Hi]: the indexer's (gradient).
-    -> scalar float32: sum over the B * L queries of KL(target || softmax(indexer scores)),
+    """q [B, Lq, H, D], k [B, Lk, D]: the attention's queries and single key head (the
+    target, no gradient); qi [B, Lq, Hi, Di], ki [B, Lk, Di], wi [B, Lq, Hi]: the indexer's
+    (gradient); doc_ids [B, Lk]; Lq <= Lk, the queries being the last Lq key positions.
+    -> scalar float32: sum over the B * Lq queries of KL(target || softmax(indexer scores)),
     both over the visible keys (causal, same document); the target is the attention
     distribution summed over the H heads and renormalised."""
     scores = indexer_scores(qi, ki, wi, doc_ids)

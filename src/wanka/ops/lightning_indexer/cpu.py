@@ -20,6 +20,10 @@ Output contract matches the reference: indices [B, L, topk] int64 (-1 in empty s
 [B, L, topk] (-inf in empty slots), sorted by descending score, padded when fewer keys are
 visible. Ties follow the reference's rule (the most recent key wins), so the selected set is
 the reference's; equal scores inside the selection may be listed in another order.
+
+Queries may be a suffix of the keys (q / w [B, Lq, ...], k / doc_ids [B, Lk], query i at key
+position Lk - Lq + i; `wanka.ops.registry` docstring): chunks are taken over the queries,
+and everything on the key side (spans, masks, indices) uses their key positions.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from wanka.ops.common import POISON_ENV, new_output
 from wanka.ops.dense_attention.cpu import check_doc_ids
+from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.registry import register
 
 # Elements of the largest per-chunk intermediate ([C, Hi, span] forward, [C, K, Di] backward).
@@ -112,8 +117,9 @@ class _ChunkedIndexer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, w, doc_ids, topk: int, chunk_size: int | None):
         B, L, Hi, Di = q.shape
+        off = query_offset(L, k.shape[1])  # key position of query 0
         starts = _doc_starts(doc_ids)
-        C = max(1, min(chunk_size or _fwd_chunk(L, Hi), L))
+        C = max(1, min(chunk_size or _fwd_chunk(k.shape[1], Hi), L))
         idx_out = _new_index_output((B, L, topk), q.device)
         val_out = new_output((B, L, topk), q.dtype, q.device)
         ninf = float("-inf")
@@ -123,16 +129,17 @@ class _ChunkedIndexer(torch.autograd.Function):
             st_list = st.tolist()
             for t0 in range(0, L, C):
                 t1 = min(L, t0 + C)
-                s0 = st_list[t0]
-                sc = _chunk_scores(q[b, t0:t1], k[b, s0:t1], w[b, t0:t1])  # [C, span]
+                p0, p1 = off + t0, off + t1  # key positions of the chunk's queries
+                s0 = st_list[p0]
+                sc = _chunk_scores(q[b, t0:t1], k[b, s0:p1], w[b, t0:t1])  # [C, span]
                 n = t1 - t0
                 # Future keys: only the [n, n] block of the chunk's own positions.
-                sc[:, t0 - s0 :].masked_fill_(future[:n, :n], ninf)
-                s_max = st_list[t1 - 1]  # later queries may start a newer document
+                sc[:, p0 - s0 :].masked_fill_(future[:n, :n], ninf)
+                s_max = st_list[p1 - 1]  # later queries may start a newer document
                 if s_max > s0:
                     key_pos = torch.arange(s0, s_max, device=q.device)
-                    sc[:, : s_max - s0].masked_fill_(key_pos[None, :] < st[t0:t1, None], ninf)
-                kc = min(topk, t1 - s0)
+                    sc[:, : s_max - s0].masked_fill_(key_pos[None, :] < st[p0:p1, None], ninf)
+                kc = min(topk, p1 - s0)
                 vals, idx = _select_topk(sc, kc)
                 idx += s0
                 idx.masked_fill_(vals == ninf, -1)
@@ -141,7 +148,7 @@ class _ChunkedIndexer(torch.autograd.Function):
                 if kc < topk:
                     idx_out[b, t0:t1, kc:] = -1
                     val_out[b, t0:t1, kc:] = ninf
-        ctx.save_for_backward(q, k, w, idx_out, starts)
+        ctx.save_for_backward(q, k, w, idx_out, starts[:, off:])  # the queries' doc starts
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(idx_out)
         return idx_out, val_out
@@ -157,7 +164,7 @@ class _ChunkedIndexer(torch.autograd.Function):
         dk = torch.zeros_like(k)
         valid_all = idx_all >= 0
         g_all = g_val.masked_fill(~valid_all, 0.0).to(q.dtype)
-        pos = torch.arange(L, device=q.device)
+        pos = torch.arange(k.shape[1] - L, k.shape[1], device=q.device)  # queries' key positions
         mean_span = float((pos - starts + 1).double().mean())
         if mean_span <= BWD_DENSE_RATIO * K:
             _bwd_dense(q, k, w, idx_all, g_all, starts, ctx.chunk_size, dq, dk, dw)
@@ -175,27 +182,29 @@ class _ChunkedIndexer(torch.autograd.Function):
 
 def _bwd_dense(q, k, w, idx_all, g_all, starts, chunk_size, dq, dk, dw) -> None:
     """Recompute each chunk's visible tile with GEMMs, like the forward; the upstream gradient
-    is scattered into a dense [C, span] tile (zero off the selected keys)."""
+    is scattered into a dense [C, span] tile (zero off the selected keys). starts [B, Lq]:
+    the document start (key position) of each query."""
     B, L, Hi, Di = q.shape
-    C = max(1, min(chunk_size or _fwd_chunk(L, Hi), L))
+    off = k.shape[1] - L
+    C = max(1, min(chunk_size or _fwd_chunk(k.shape[1], Hi), L))
     for b in range(B):
         st_list = starts[b].tolist()
         for t0 in range(0, L, C):
             t1 = min(L, t0 + C)
-            s0 = st_list[t0]
-            n, span = t1 - t0, t1 - s0
+            s0, p1 = st_list[t0], off + t1
+            n, span = t1 - t0, p1 - s0
             ic = (idx_all[b, t0:t1] - s0).clamp_(min=0)  # empty slots carry gradient 0
             g = torch.zeros(n, span, dtype=q.dtype, device=q.device)
             g.scatter_add_(1, ic, g_all[b, t0:t1])
             qf = q[b, t0:t1].reshape(n * Hi, Di)
-            k_s = k[b, s0:t1]
+            k_s = k[b, s0:p1]
             r = _matmul(qf, k_s.t()).relu_().view(n, Hi, span)  # [n, Hi, span]
             dw[b, t0:t1] = torch.bmm(r, g[:, :, None]).squeeze(-1)
             # r >= 0, so sign(r) is ReLU'(dots); r is not needed after dw: reuse it in place.
             dr = r.sign_().mul_(w[b, t0:t1, :, None]).mul_(g[:, None, :])
             dr = dr.view(n * Hi, span)
             dq[b, t0:t1] = _matmul(dr, k_s).view(n, Hi, Di)
-            dk[b, s0:t1].addmm_(dr.t(), qf)
+            dk[b, s0:p1].addmm_(dr.t(), qf)
 
 
 def _bwd_sparse(q, k, w, idx_all, g_all, valid_all, needs, dq, dk, dw) -> None:
@@ -239,9 +248,10 @@ def lightning_indexer(
     *,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, L, Hi, Di], k [B, L, Di], w [B, L, Hi], doc_ids [B, L] (rows non-decreasing)
-    -> (indices [B, L, topk] int64 with -1 in empty slots, scores [B, L, topk] with -inf in
-    empty slots, differentiable w.r.t. q, k, w). `chunk_size` queries are scored at a time
-    (default: as many as fit CHUNK_ELEMS elements of [C, Hi, L])."""
+    """q [B, Lq, Hi, Di], k [B, Lk, Di], w [B, Lq, Hi], doc_ids [B, Lk] (rows
+    non-decreasing; Lq <= Lk: the queries are the last Lq key positions) -> (indices
+    [B, Lq, topk] int64 key positions with -1 in empty slots, scores [B, Lq, topk] with -inf
+    in empty slots, differentiable w.r.t. q, k, w). `chunk_size` queries are scored at a
+    time (default: as many as fit CHUNK_ELEMS elements of [C, Hi, Lk])."""
     check_doc_ids(doc_ids)
     return _ChunkedIndexer.apply(q, k, w, doc_ids, topk, chunk_size)

@@ -22,7 +22,13 @@ does with each:
 
 Not guaranteed to match the reference bit for bit: the fused op computes in 16-bit and its
 tie rule among equal scores is not documented (wanka's reference keeps the most recent key).
-Anything outside the limits runs `reference.lightning_indexer`, with one log line per reason.
+Queries as a suffix of the keys (Lq < Lk, context parallelism; `wanka.ops.registry`
+docstring) are not mapped to the TND layout (the op's rightDownCausal mode with separate
+query / key lengths might fit, but that is untested): such calls count as outside the limits.
+
+`unsupported` is also this backend's registry `supports` check, so `registry.call` skips it
+for anything outside the limits (a forced npu backend raises). Called directly, anything
+outside the limits runs `reference.lightning_indexer`, with one log line per reason.
 The layout conversion is tested on CPU against a stand-in torch_npu
 (tests/unit/test_ops_npu.py); the fused path itself has not run on Ascend hardware here.
 """
@@ -36,7 +42,7 @@ from wanka.ops.dense_attention.cpu import check_doc_ids
 from wanka.ops.lightning_indexer import reference
 from wanka.ops.lightning_indexer.cpu import _doc_starts
 from wanka.ops.npu_common import fallback_once, has_torch_npu, load_torch_npu
-from wanka.ops.registry import register
+from wanka.ops.registry import query_suffix_unsupported, register
 
 OP = "lightning_indexer"
 HEADS = 64  # index heads N1
@@ -50,6 +56,9 @@ SPARSE_MODE = 3  # rightDownCausal: causal inside each TND sequence
 def unsupported(q, k, w, doc_ids, topk: int, needs_grad: bool) -> str | None:
     """Why the fused op cannot take these inputs (None: it can)."""
     B, L, Hi, Di = q.shape
+    why = query_suffix_unsupported(q, k)
+    if why is not None:
+        return why
     if q.dtype not in DTYPES or k.dtype != q.dtype or w.dtype != q.dtype:
         return (
             f"dtype {q.dtype}/{k.dtype}/{w.dtype}: the fused op takes float16/bfloat16, one dtype"
@@ -101,6 +110,12 @@ def from_tnd(raw_idx, raw_val, doc_ids, topk):
     return idx.gather(-1, order), val.gather(-1, order), order
 
 
+def supports(q, k, w, doc_ids, topk: int, *_args, **_kwargs) -> str | None:
+    """The registry's per-call check: `unsupported` with the call's own gradient need."""
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, w))
+    return unsupported(q, k, w, doc_ids, int(topk), needs_grad)
+
+
 class _FusedIndexer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, w, doc_ids, topk):
@@ -141,7 +156,7 @@ class _FusedIndexer(torch.autograd.Function):
         )
 
 
-@register(OP, "npu", device_types=("npu",), priority=20, available=has_torch_npu)
+@register(OP, "npu", device_types=("npu",), priority=20, available=has_torch_npu, supports=supports)
 def lightning_indexer(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +164,8 @@ def lightning_indexer(
     w [B, L, Hi], doc_ids [B, L] (rows non-decreasing) -> (indices [B, L, topk] int64, -1 in
     empty slots; scores [B, L, topk], -inf in empty slots; differentiable w.r.t. q, k, w)."""
     check_doc_ids(doc_ids)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, w))
     why = "torch_npu does not import" if not has_torch_npu() else None
-    why = why or unsupported(q, k, w, doc_ids, int(topk), needs_grad)
+    why = why or supports(q, k, w, doc_ids, topk)
     if why is not None:
         fallback_once(OP, why)
         return reference.lightning_indexer(q, k, w, doc_ids, topk)

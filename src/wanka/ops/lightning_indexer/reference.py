@@ -1,4 +1,11 @@
-"""Lightning indexer: score(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)), causal top-k."""
+"""Lightning indexer: score(t, s) = sum_j w(t, j) * ReLU(q(t, j) . k(s)), causal top-k.
+
+Queries may be a suffix of the keys (context parallelism; `wanka.ops.registry` docstring):
+q / w have Lq <= Lk tokens, k and doc_ids have Lk, query i sits at key position Lk - Lq + i,
+and the indices are key positions. The tie rule (the most recent key wins) makes a query's
+selected set the same whichever key prefix it is called with, as long as it holds the
+query's document.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +19,12 @@ from wanka.ops.registry import register
 def indexer_scores(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor
 ) -> torch.Tensor:
-    """q [B, L, Hi, Di], k [B, L, Di] (one shared key head), w [B, L, Hi] -> [B, L, L] scores,
-    -inf where the key is not visible (future or another document). Differentiable."""
+    """q [B, Lq, Hi, Di], k [B, Lk, Di] (one shared key head), w [B, Lq, Hi], doc_ids
+    [B, Lk] -> [B, Lq, Lk] scores, -inf where the key is not visible (future or another
+    document). Differentiable."""
     s = torch.einsum("blhd,bsd->blhs", q, k).relu()
     s = torch.einsum("blhs,blh->bls", s, w)
-    return s.masked_fill(~allowed_mask(doc_ids), float("-inf"))
+    return s.masked_fill(~allowed_mask(doc_ids, q.shape[1]), float("-inf"))
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -34,8 +42,9 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 def lightning_indexer(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k visible keys per query -> (indices [B, L, K] int64 with -1 in empty slots,
-    their scores [B, L, K] with -inf in empty slots, differentiable w.r.t. q, k, w)."""
+    """Top-k visible keys per query: q [B, Lq, Hi, Di], k [B, Lk, Di], w [B, Lq, Hi], doc_ids
+    [B, Lk] -> (indices [B, Lq, K] int64 key positions with -1 in empty slots, their scores
+    [B, Lq, K] with -inf in empty slots, differentiable w.r.t. q, k, w)."""
     scores = indexer_scores(q, k, w, doc_ids)
     kk = min(topk, scores.shape[-1])
     idx = select_topk(scores.detach(), kk)

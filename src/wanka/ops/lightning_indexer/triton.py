@@ -22,6 +22,10 @@ Heads, head dim and tiles are padded to powers of two >= 16 (masked) so every pr
 `tl.dot`; float32 inputs use IEEE-precision dots, 16-bit inputs are upcast to float32 and
 use TF32. doc_ids rows must be non-decreasing (packed documents are contiguous runs).
 
+Queries may be a suffix of the keys (q / w [B, Lq, ...], k / doc_ids [B, Lk], query i at key
+position OFF + i with OFF = Lk - Lq; `wanka.ops.registry` docstring): the score kernel works
+in key positions and reads query rows at position - OFF; the backward only follows indices.
+
 Triton is optional: without it this module registers an unavailable backend and defines no
 kernels. Tests run the kernels on CPU tensors with TRITON_INTERPRET=1.
 """
@@ -33,6 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from wanka.ops.common import new_output
 from wanka.ops.dense_attention.cpu import check_doc_ids
+from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.lightning_indexer.cpu import _doc_starts, _new_index_output, _select_topk
 from wanka.ops.registry import register
 from wanka.ops.triton_common import HAVE_TRITON, dot_precision, pow2, tl, triton
@@ -48,7 +53,7 @@ if HAVE_TRITON:
         sql, sqh, sqd, skl, skd, swl, swh, som, son,
         t0, s0, t1, HI, DI,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        PREC: tl.constexpr,
+        PREC: tl.constexpr, OFF=0,
     ):  # fmt: skip
         mb = tl.program_id(0)
         nb = tl.program_id(1)
@@ -64,8 +69,8 @@ if HAVE_TRITON:
             other=0.0,
         ).to(tl.float32)  # [BN, BD]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        q_rows = Q + offs_m[:, None] * sql + offs_d[None, :] * sqd
-        w_rows = W + offs_m * swl
+        q_rows = Q + (offs_m - OFF)[:, None] * sql + offs_d[None, :] * sqd  # query index
+        w_rows = W + (offs_m - OFF) * swl
         for h in range(0, HI):
             qh = tl.load(q_rows + h * sqh, mask=mm[:, None] & dm[None, :], other=0.0)
             wh = tl.load(w_rows + h * swh, mask=mm, other=0.0).to(tl.float32)
@@ -134,15 +139,17 @@ if HAVE_TRITON:
         tl.store(DW + b * sdwb + t * sdwl + offs_h * sdwh, dw.to(DW.dtype.element_ty), mask=hm)
 
 
-def _chunk_rows(L: int, chunk_size: int | None) -> int:
+def _chunk_rows(L: int, Lk: int, chunk_size: int | None) -> int:
+    """Queries per chunk: chunk_size, else as many as keep a [C, Lk] tile under CHUNK_ELEMS."""
     if chunk_size is not None:
         return max(1, min(int(chunk_size), L))
-    return max(1, min(L, CHUNK_ELEMS // max(1, L)))
+    return max(1, min(L, CHUNK_ELEMS // max(1, Lk)))
 
 
 def _score_tile(q, k, w, starts, t0, s0, t1, block):
-    """Score tile [t1 - t0, t1 - s0] float32 of one batch row (q [L, Hi, Di], k [L, Di],
-    w [L, Hi], starts [L]). Module-level: tests spy on the tile shapes to check that nothing
+    """Score tile [t1 - t0, t1 - s0] float32 of one batch row (q [Lq, Hi, Di], k [Lk, Di],
+    w [Lq, Hi], starts [Lk]) for the queries at key positions t0 .. t1 - 1 (query index =
+    position - (Lk - Lq)). Module-level: tests spy on the tile shapes to check that nothing
     bigger than a chunk is ever scored."""
     n, span = t1 - t0, t1 - s0
     tile = torch.empty(n, span, dtype=torch.float32, device=q.device)
@@ -154,25 +161,28 @@ def _score_tile(q, k, w, starts, t0, s0, t1, block):
         *q.stride(), *k.stride(), *w.stride(), *tile.stride(),
         t0, s0, t1, q.shape[1], Di,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=pow2(Di), PREC=dot_precision(q.dtype),
+        OFF=k.shape[0] - q.shape[0],
     )  # fmt: skip
     return tile
 
 
 def _forward(q, k, w, doc_ids, topk, chunk_size, block):
     B, L, Hi, Di = q.shape
+    off = query_offset(L, k.shape[1])  # key position of query 0
     starts = _doc_starts(doc_ids).contiguous()
     idx_out = _new_index_output((B, L, topk), q.device)
     val_out = new_output((B, L, topk), q.dtype, q.device)
-    C = _chunk_rows(L, chunk_size)
+    C = _chunk_rows(L, k.shape[1], chunk_size)
     ninf = float("-inf")
     starts_cpu = starts.cpu()
     for b in range(B):
         st = starts_cpu[b].tolist()
         for t0 in range(0, L, C):
             t1 = min(L, t0 + C)
-            s0 = st[t0]
-            sc = _score_tile(q[b], k[b], w[b], starts[b], t0, s0, t1, block)
-            kc = min(topk, t1 - s0)
+            p0, p1 = off + t0, off + t1  # key positions of the chunk's queries
+            s0 = st[p0]
+            sc = _score_tile(q[b], k[b], w[b], starts[b], p0, s0, p1, block)
+            kc = min(topk, p1 - s0)
             vals, idx = _select_topk(sc, kc)
             idx += s0
             idx.masked_fill_(vals == ninf, -1)
@@ -248,9 +258,10 @@ def lightning_indexer(
     chunk_size: int | None = None,
     block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, L, Hi, Di], k [B, L, Di], w [B, L, Hi], doc_ids [B, L] (rows non-decreasing)
-    -> (indices [B, L, topk] int64 with -1 in empty slots, scores [B, L, topk] with -inf in
-    empty slots, differentiable w.r.t. q, k, w). `chunk_size` queries are scored at a time;
+    """q [B, Lq, Hi, Di], k [B, Lk, Di], w [B, Lq, Hi], doc_ids [B, Lk] (rows
+    non-decreasing; Lq <= Lk: the queries are the last Lq key positions) -> (indices
+    [B, Lq, topk] int64 key positions with -1 in empty slots, scores [B, Lq, topk] with -inf
+    in empty slots, differentiable w.r.t. q, k, w). `chunk_size` queries are scored at a time;
     `block` sets the kernels' tile sizes (rounded up to powers of two >= 16; tests/tuning)."""
     if not HAVE_TRITON:
         raise RuntimeError("the triton lightning_indexer backend needs the triton package")

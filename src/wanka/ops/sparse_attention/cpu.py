@@ -26,7 +26,7 @@ of the softmax, so a key selected twice by one query counts twice. The dense par
 holds each (query, key) pair once; a pair selected more than once goes to the gather part
 (whose slots are counted one by one), found per chunk by one scatter-add of counts.
 
-Non-finite isolation: an empty slot (-1) reads a zero row appended to K and V (row L),
+Non-finite isolation: an empty slot (-1) reads a zero row appended to K and V (row Lk),
 never row 0, and its score is replaced (masked_fill, not multiplied) by -inf. The dense
 GEMMs also compute masked (query, key) products, whose exact-zero weights would turn an
 inf into NaN (0 * inf); so K/V rows holding a non-finite value never go dense (checked once
@@ -42,6 +42,10 @@ oversubscribed machine does not make every small op wait for its slowest thread)
 forward's chunks write disjoint outputs; the backward accumulates dK/dV per group of
 chunks (a fixed split, summed in order: the result does not depend on scheduling). With
 1 thread (training ranks) everything runs in the calling thread, as before.
+
+Queries may be a suffix of the keys (q / indices [B, Lq, ...], k / v [B, Lk, D]; indices are
+key positions in [0, Lk); `wanka.ops.registry` docstring): chunks run over the Lq queries,
+K/V (and their zero row Lk, dK/dV) over the Lk keys.
 """
 
 from __future__ import annotations
@@ -246,6 +250,7 @@ def _run(n: int, fn, threads: int) -> None:
 
 def _forward(q, k, v, indices, scale, strategy, chunk, threads):
     B, L, H, D = q.shape
+    Lk = k.shape[1]
     K = indices.shape[-1]
     cdt = _compute_dtype(q.dtype)
     out = new_output((B, L, H, D), q.dtype, q.device)
@@ -258,7 +263,7 @@ def _forward(q, k, v, indices, scale, strategy, chunk, threads):
         b, t0 = tasks[i]
         t1 = min(L, t0 + C)
         kb, vb = kp[b], vp[b]
-        plan = _Plan(indices[b, t0:t1], _min_count(strategy, t1 - t0), L, bad_key[b])
+        plan = _Plan(indices[b, t0:t1], _min_count(strategy, t1 - t0), Lk, bad_key[b])
         qs = q[b, t0:t1].to(cdt) * scale
         sd, sr, _, _ = _scores(qs, kb, plan)
         m = torch.stack([s.amax(-1) for s in (sd, sr) if s is not None]).amax(0)  # [C, H]
@@ -282,6 +287,7 @@ def _forward(q, k, v, indices, scale, strategy, chunk, threads):
 
 def _backward(q, k, v, indices, out, lse, dout, scale, strategy, chunk, needs, threads):
     B, L, H, D = q.shape
+    Lk = k.shape[1]
     K = indices.shape[-1]
     cdt = _compute_dtype(q.dtype)
     dq = new_output((B, L, H, D), q.dtype, q.device) if needs[0] else None
@@ -299,19 +305,19 @@ def _backward(q, k, v, indices, out, lse, dout, scale, strategy, chunk, needs, t
             part = starts[g * len(starts) // per_b : (g + 1) * len(starts) // per_b]
             groups.append((b, part))
     # dK/dV are accumulated (index_add_), so they start from zeros, not new_output.
-    dkp = torch.zeros(B, L + 1, D, dtype=cdt) if needs[1] else None
-    dvp = torch.zeros(B, L + 1, D, dtype=cdt) if needs[2] else None
+    dkp = torch.zeros(B, Lk + 1, D, dtype=cdt) if needs[1] else None
+    dvp = torch.zeros(B, Lk + 1, D, dtype=cdt) if needs[2] else None
     bufs: list = [None] * len(groups)
 
     def one(gi):
         b, part = groups[gi]
         kb, vb = kp[b], vp[b]
         if per_b == 1:  # the only group of its sequence: accumulate in place
-            rows, dkb = L + 1, (dkp[b] if dkp is not None else None)
+            rows, dkb = Lk + 1, (dkp[b] if dkp is not None else None)
             dvb = dvp[b] if dvp is not None else None
         else:
             sel = indices[b, part[0] : min(L, part[-1] + C)]
-            rows = min(L, int(sel.max()) + 1) + 1
+            rows = min(Lk, int(sel.max()) + 1) + 1
             dkb = torch.zeros(rows, D, dtype=cdt) if dkp is not None else None
             dvb = torch.zeros(rows, D, dtype=cdt) if dvp is not None else None
             bufs[gi] = (rows, dkb, dvb)
@@ -333,7 +339,7 @@ def _backward(q, k, v, indices, out, lse, dout, scale, strategy, chunk, needs, t
                 lsed, deltad = lse_c.masked_fill(z, 0.0), delta.masked_fill(z, 0.0)
             else:
                 bad_q = None
-            plan = _Plan(indices[b, t0:t1], _min_count(strategy, c), L, bad_key[b], bad_q)
+            plan = _Plan(indices[b, t0:t1], _min_count(strategy, c), Lk, bad_key[b], bad_q)
             sd, sr, kd, kg = _scores(qs, kb, plan, qd)
             dqc = torch.zeros_like(qs) if dq is not None else None
             if sd is not None:
@@ -371,8 +377,8 @@ def _backward(q, k, v, indices, out, lse, dout, scale, strategy, chunk, needs, t
                 dkp[b, : rows - 1] += dkb[: rows - 1]
             if dvb is not None:
                 dvp[b, : rows - 1] += dvb[: rows - 1]
-    dk = dkp[:, :L].to(k.dtype).contiguous() if dkp is not None else None
-    dv = dvp[:, :L].to(v.dtype).contiguous() if dvp is not None else None
+    dk = dkp[:, :Lk].to(k.dtype).contiguous() if dkp is not None else None
+    dv = dvp[:, :Lk].to(v.dtype).contiguous() if dvp is not None else None
     return dq, dk, dv
 
 
@@ -407,7 +413,8 @@ def sparse_attention(
     chunk: int | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
-    """q [B, L, H, D]; k, v [B, L, D]; indices [B, L, K] int64 (-1 = empty) -> [B, L, H, D].
+    """q [B, Lq, H, D]; k, v [B, Lk, D]; indices [B, Lq, K] int64 key positions in [0, Lk)
+    (-1 = empty) -> [B, Lq, H, D]; Lq <= Lk (a query suffix under context parallelism).
 
     Same contract and result as the reference (per-slot: a key in two slots counts twice).
     `strategy` ("auto" | "gather" | "union"), `chunk` (queries per chunk; default from K and

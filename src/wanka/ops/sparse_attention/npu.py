@@ -18,7 +18,12 @@ documented limits (torch_npu API reference `torch_npu-npu_sparse_flash_attention
   (token-wise selection, wanka's indices are tokens).
 * the grad op is documented for K = 2048 selected slots (GRAD_TOPK).
 
-Anything else runs `reference.sparse_attention`, with one log line per reason. The layout
+* queries as a suffix of the keys (Lq < Lk, context parallelism; `wanka.ops.registry`
+  docstring): not taken (BSND with S1 != S2 is untested here).
+
+`unsupported` is also this backend's registry `supports` check, so `registry.call` skips it
+for anything outside the limits (a forced npu backend raises). Called directly, anything
+else runs `reference.sparse_attention`, with one log line per reason. The layout
 conversion is tested on CPU against a stand-in torch_npu (tests/unit/test_ops_npu.py); the
 fused path itself has not run on Ascend hardware here.
 """
@@ -29,7 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from wanka.ops.npu_common import fallback_once, has_torch_npu, load_torch_npu
-from wanka.ops.registry import register
+from wanka.ops.registry import query_suffix_unsupported, register
 from wanka.ops.sparse_attention import reference
 
 OP = "sparse_attention"
@@ -45,6 +50,9 @@ SPARSE_MODE = 0  # no extra mask: the indices are already causal and document-aw
 def unsupported(q, k, v, indices, needs_grad: bool) -> str | None:
     """Why the fused op cannot take these inputs (None: it can)."""
     B, L, H, D = q.shape
+    why = query_suffix_unsupported(q, k)
+    if why is not None:
+        return why
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}: the fused op takes float16/bfloat16 q, k, v of one dtype"
     if D != HEAD_DIM:
@@ -58,6 +66,12 @@ def unsupported(q, k, v, indices, needs_grad: bool) -> str | None:
     if needs_grad and indices.shape[-1] != GRAD_TOPK:
         return f"backward with k={indices.shape[-1]}: the grad op is documented for k={GRAD_TOPK}"
     return None
+
+
+def supports(q, k, v, indices, *_args, **_kwargs) -> str | None:
+    """The registry's per-call check: `unsupported` with the call's own gradient need."""
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    return unsupported(q, k, v, indices, needs_grad)
 
 
 def _same_data(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -116,15 +130,14 @@ class _FusedSparseAttention(torch.autograd.Function):
         )
 
 
-@register(OP, "npu", device_types=("npu",), priority=20, available=has_torch_npu)
+@register(OP, "npu", device_types=("npu",), priority=20, available=has_torch_npu, supports=supports)
 def sparse_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Same contract as `reference.sparse_attention`: q [B, L, H, D]; k, v [B, L, D];
     indices [B, L, K] int64 (-1 = empty slot) -> [B, L, H, D]."""
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     why = "torch_npu does not import" if not has_torch_npu() else None
-    why = why or unsupported(q, k, v, indices, needs_grad)
+    why = why or supports(q, k, v, indices)
     if why is not None:
         fallback_once(OP, why)
         return reference.sparse_attention(q, k, v, indices, scale)

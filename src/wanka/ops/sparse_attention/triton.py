@@ -13,6 +13,10 @@ Heads, head dim and the slot tile are padded to powers of two >= 16 (masked) so 
 product is a `tl.dot`. float32 inputs use IEEE-precision dots; 16-bit inputs are upcast
 to float32 and use TF32.
 
+Queries may be a suffix of the keys (q / indices [B, Lq, ...], k / v [B, Lk, D]; indices are
+key positions; `wanka.ops.registry` docstring): programs run per query and K/V rows are
+reached only through the indices, so nothing else changes.
+
 Triton is optional: without it this module registers an unavailable backend and defines
 no kernels. Tests run the kernels on CPU tensors with TRITON_INTERPRET=1.
 """
@@ -233,7 +237,8 @@ def sparse_attention(
     scale: float,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """q [B, L, H, D]; k, v [B, L, D]; indices [B, L, K] int64 (-1 = empty) -> [B, L, H, D].
+    """q [B, Lq, H, D]; k, v [B, Lk, D]; indices [B, Lq, K] int64 key positions (-1 = empty)
+    -> [B, Lq, H, D]; Lq <= Lk.
 
     Same contract and result as the reference. `block_k` (slots per tile, rounded up to a
     power of two >= 16) is for tests and tuning.

@@ -1,0 +1,104 @@
+"""Cost model of one document piece for context-parallel load balancing.
+
+A piece is tokens [start, end) of one document. Its training cost is modelled as
+
+    linear * tokens + sparse * sum_p min(p + 1, topk) + dense * sum_p (p + 1)
+
+over its in-document positions p (causal attention: the query at p sees p + 1 keys):
+
+- ``linear``: per-token work that does not depend on position (projections, MoE, norms, loss);
+- ``sparse``: DSA core attention, which reads at most ``topk`` keys per query;
+- ``dense``: work over the whole causal prefix. The lightning indexer's scan is (p + 1)
+  per query on indexer layers even when attention is sparse, and dense attention (the
+  warm-up stage) is too. Both prefix terms are kept and ``fit`` decides their weights from
+  measurements, rather than us guessing how much of the indexer cost hides behind the rest.
+
+The defaults are a FLOP estimate of the production shape (x25-293b: ~30B active parameters,
+48 layers of 64 x 128 MQA heads, indexers of 64 x 128 on every 4th layer, topk 2048) on one
+~1 PFLOP/s bf16 accelerator at assumed efficiencies (GEMMs 40%, gather-bound sparse
+attention 10%, indexer scan 25%), in seconds per step. Only their ratios matter for
+balancing; ``fit`` replaces them with measured ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+import numpy as np
+
+
+def _prefix_dense(n: np.ndarray) -> np.ndarray:
+    """sum_{p < n} (p + 1)."""
+    return n * (n + 1) // 2
+
+
+def _prefix_sparse(n: np.ndarray, topk: int) -> np.ndarray:
+    """sum_{p < n} min(p + 1, topk)."""
+    head = np.minimum(n, topk)
+    return _prefix_dense(head) + (n - head) * topk
+
+
+@dataclass(frozen=True)
+class CostModel:
+    linear: float = 4.5e-4  # 6 * 30e9 FLOP / (0.4 * 1e15 FLOP/s)
+    sparse: float = 4.8e-8  # 3 * 48 layers * 4 * 64 * 128 FLOP / (0.1 * 1e15)
+    dense: float = 8e-10  # 12 indexer layers * 2 * 64 * 128 FLOP / (0.25 * 1e15)
+    topk: int = 2048
+
+    def __post_init__(self) -> None:
+        coefs = (self.linear, self.sparse, self.dense)
+        if min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1:
+            raise ValueError(f"cost model needs non-negative, not all zero coefficients: {self}")
+
+    def terms(
+        self, start: np.ndarray | int, end: np.ndarray | int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, sparse pairs, dense pairs) of pieces [start, end), exact int64."""
+        s = np.asarray(start, dtype=np.int64)
+        e = np.asarray(end, dtype=np.int64)
+        sparse = _prefix_sparse(e, self.topk) - _prefix_sparse(s, self.topk)
+        return e - s, sparse, _prefix_dense(e) - _prefix_dense(s)
+
+    def cost(self, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
+        """Modelled cost of pieces [start, end) (element-wise over arrays)."""
+        tokens, sparse, dense = self.terms(start, end)
+        return self.linear * tokens + self.sparse * sparse + self.dense * dense
+
+    def doc_cost(self, lengths: np.ndarray | int) -> np.ndarray:
+        """Cost of whole documents of the given lengths."""
+        return self.cost(0, lengths)
+
+    @classmethod
+    def fit(cls, samples: Iterable[Sequence[float]], topk: int = 2048) -> CostModel:
+        """Non-negative least squares on rows (linear_tokens, sparse_pairs, dense_pairs, seconds).
+
+        ``topk`` must be the one the sparse pair counts were computed with. Three unknowns, so
+        the exact NNLS solution is the best of the 7 unconstrained fits on subsets of the
+        columns whose coefficients all come out non-negative.
+        """
+        data = np.asarray(list(samples), dtype=np.float64)
+        if data.ndim != 2 or data.shape[1] != 4 or len(data) == 0:
+            raise ValueError(
+                "fit wants rows of (linear_tokens, sparse_pairs, dense_pairs, seconds)"
+            )
+        x, y = data[:, :3], data[:, 3]
+        # The columns differ by orders of magnitude (tokens vs pairs): scale for conditioning.
+        scale = np.linalg.norm(x, axis=0)
+        scale[scale == 0] = 1.0
+        xs = x / scale
+        best, best_err = np.zeros(3), float(np.sum(y**2))
+        for size in (1, 2, 3):
+            for cols in combinations(range(3), size):
+                coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+                if np.any(coef < 0):
+                    continue
+                err = float(np.sum((xs[:, cols] @ coef - y) ** 2))
+                if err < best_err:
+                    best, best_err = np.zeros(3), err
+                    best[list(cols)] = coef
+        if not best.any():
+            raise ValueError("fit found no positive coefficient: are the timings positive?")
+        linear, sparse, dense = (best / scale).tolist()
+        return cls(linear=linear, sparse=sparse, dense=dense, topk=topk)

@@ -1,0 +1,255 @@
+"""Context-parallel plans: layouts, segments and key indices, the cost model, the simulator."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from wanka.distributed.cp_cost import CostModel
+from wanka.distributed.cp_plan import (
+    LAYOUTS,
+    CPPlan,
+    Piece,
+    PlanError,
+    plan_step,
+    rows_from_doc_ids,
+)
+from wanka.distributed.cp_sim import draw_rows, simulate
+
+COST = CostModel()
+
+
+def _lengths(kind: str, seed: int = 0, n: int = 20000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "lognormal":  # median 8000, p99 ~100k: the shape of the built-in corpus
+        sigma = np.log(100_000 / 8000) / 2.326
+        return np.maximum(1, rng.lognormal(np.log(8000), sigma, n)).astype(np.int64)
+    if kind == "uniform":
+        return rng.integers(1, 32_000, n)
+    short = rng.integers(200, 2000, n)  # bimodal: mostly short, a fifth very long
+    return np.where(rng.random(n) < 0.8, short, rng.integers(50_000, 120_000, n))
+
+
+def _batch(kind: str, seed: int, dp: int, rows: int, seq_len: int) -> list[list[list[int]]]:
+    flat = draw_rows(np.random.default_rng(seed), _lengths(kind), dp * rows, seq_len)
+    return [flat[g * rows : (g + 1) * rows] for g in range(dp)]
+
+
+def check_plan(rows: list[list[list[int]]], plan: CPPlan) -> None:
+    """Every invariant a consumer relies on, rebuilt from all ranks' layouts."""
+    lengths = [n for group in rows for row in group for n in row]
+    held = [np.zeros(n, dtype=np.int64) for n in lengths]  # times each token is held
+    for group in range(plan.dp):
+        lays = [plan.rank_layout(group, r) for r in range(plan.cp)]
+        assert plan.lmax[group] == max(lay.n_tokens for lay in lays)
+        gathered = np.full((plan.cp * int(plan.lmax[group]), 2), -1)  # (doc, pos) per slot
+        for r, lay in enumerate(lays):
+            base = r * plan.lmax[group]
+            gathered[base : base + lay.n_tokens] = np.stack([lay.doc_of_token, lay.pos_of_token], 1)
+        remote = False
+        for lay in lays:
+            doc, pos = lay.doc_of_token, lay.pos_of_token
+            expect = np.concatenate([np.arange(p.start, p.end) for p in lay.pieces] or [[]])
+            assert np.array_equal(pos, expect)
+            assert np.array_equal(
+                doc, np.repeat([p.doc for p in lay.pieces], [p.end - p.start for p in lay.pieces])
+            )
+            for p in lay.pieces:
+                held[p.doc][p.start : p.end] += 1
+            starts = np.repeat([p.start for p in lay.pieces], [p.end - p.start for p in lay.pieces])
+            # Segments tile [0, n_tokens) in order.
+            edges = [s.q0 for s in lay.segments] + [lay.n_tokens]
+            assert edges[0] == 0 and all(s.q1 == e for s, e in zip(lay.segments, edges[1:]))
+            for seg in lay.segments:
+                d, p = doc[seg.q0 : seg.q1], pos[seg.q0 : seg.q1]
+                if seg.key_index is None:  # local run: only heads, every prefix local, in order
+                    assert np.all(starts[seg.q0 : seg.q1] == 0)
+                    for one in np.unique(d):
+                        assert np.array_equal(p[d == one], np.arange((d == one).sum()))
+                    continue
+                remote = True
+                assert len(np.unique(d)) == 1 and np.all(np.diff(p) == 1) and p[0] > 0
+                keys = gathered[seg.key_index]
+                assert np.all(keys[:, 0] == d[0])
+                assert np.array_equal(keys[:, 1], np.arange(p[-1] + 1))  # prefix [0, end)
+                assert np.array_equal(keys[-len(p) :, 1], p)  # queries are its last keys
+        assert plan.needs_gather[group] == remote
+    for h in held:  # every token of every fragment on exactly one rank
+        assert np.all(h == 1)
+    # The doc table finds each local token in the step's rows.
+    flat_rows = [row for group in rows for row in group]
+    doc_at = [np.repeat(np.arange(len(r)), r) for r in flat_rows]
+    first_doc = np.cumsum([0] + [len(r) for r in flat_rows])
+    pos_at = [np.concatenate([np.arange(n) for n in r]) for r in flat_rows]
+    for lay in plan.rank_layouts():
+        src_row, src_col = plan.token_source(lay.dp_rank, lay.cp_rank)
+        for t in range(0, lay.n_tokens, 97):
+            row, col = src_row[t], src_col[t]
+            assert first_doc[row] + doc_at[row][col] == lay.doc_of_token[t]
+            assert pos_at[row][col] == lay.pos_of_token[t]
+
+
+HAND = [[[5, 7, 4]], [[16]]]  # two dp groups, one row of 16 tokens each, docs 0..3
+
+
+def _pieces(plan: CPPlan, dp_rank: int, cp_rank: int) -> list[tuple[int, int, int]]:
+    return [(p.doc, p.start, p.end) for p in plan.rank_layout(dp_rank, cp_rank).pieces]
+
+
+def test_contiguous_is_the_textbook_split() -> None:
+    plan = plan_step(HAND, 2, "contiguous")
+    # Row 0 = docs 0 [0,5) 1 [5,12) 2 [12,16); rank 0 gets row tokens [0,8), rank 1 [8,16).
+    assert _pieces(plan, 0, 0) == [(0, 0, 5), (1, 0, 3)]
+    assert _pieces(plan, 0, 1) == [(2, 0, 4), (1, 3, 7)]  # heads first, then the tail
+    assert _pieces(plan, 1, 0) == [(3, 0, 8)]
+    assert _pieces(plan, 1, 1) == [(3, 8, 16)]
+    seg = plan.rank_layout(0, 1).segments
+    assert (seg[0].q0, seg[0].q1, seg[0].key_index) == (0, 4, None)
+    assert seg[1].key_index.tolist() == [5, 6, 7, 8 + 4, 8 + 5, 8 + 6, 8 + 7]  # lmax = 8
+    check_plan(HAND, plan)
+
+
+def test_head_tail_is_the_textbook_zigzag_per_document() -> None:
+    rows = [[[16, 10, 3]]]
+    plan = plan_step(rows, 2, "head_tail")
+    # 16 -> chunks of 4: rank 0 gets chunks 0 and 3, rank 1 chunks 1 + 2 (merged).
+    # 10 -> bounds 0 2 5 7 10; 3 -> 0 0 1 2 3 (chunk 0 empty, dropped).
+    assert sorted(_pieces(plan, 0, 0)) == [(0, 0, 4), (0, 12, 16), (1, 0, 2), (1, 7, 10), (2, 2, 3)]
+    assert sorted(_pieces(plan, 0, 1)) == [(0, 4, 12), (1, 2, 7), (2, 0, 2)]
+    check_plan(rows, plan)
+
+
+def test_contiguous_needs_divisible_rows() -> None:
+    with pytest.raises(ValueError, match="divisible by cp=2"):
+        plan_step([[[5, 6]]], 2, "contiguous")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail"])
+def test_cp1_is_the_identity(layout: str) -> None:
+    rows = [[[3, 9, 4], [16]], [[1, 15], [8, 8]]]
+    plan = plan_step(rows, 1, layout)
+    assert not plan.needs_gather.any()
+    doc = 0
+    for g, group in enumerate(rows):
+        lay = plan.rank_layout(g, 0)
+        expect = []
+        for row in group:
+            expect += [Piece(doc + i, 0, n) for i, n in enumerate(row)]
+            doc += len(row)
+        assert lay.pieces == expect
+        assert [(s.q0, s.q1, s.key_index) for s in lay.segments] == [(0, 16, None), (16, 32, None)]
+    check_plan(rows, plan)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["lognormal", "uniform", "bimodal"])
+def test_layouts_are_valid_on_drawn_batches(layout: str, kind: str) -> None:
+    rows = _batch(kind, seed=1, dp=3, rows=2, seq_len=8192)
+    plan = plan_step(rows, 4, layout, COST)
+    check_plan(rows, plan)
+
+
+def test_tiny_documents_and_empty_ranks_are_valid() -> None:
+    rows = [[[1, 2, 1, 4]], [[8]]]
+    for layout in LAYOUTS:
+        plan = plan_step(rows, 4, layout)
+        check_plan(rows, plan)
+
+
+def test_rows_from_doc_ids() -> None:
+    ids = np.array([[0, 0, 0, 1, 2, 2], [0, 0, 0, 0, 0, 0]])
+    assert rows_from_doc_ids(ids) == [[3, 1, 2], [6]]
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "uniform", "bimodal"])
+def test_dynamic_balances_better_than_static_layouts(kind: str) -> None:
+    dp, cp, seq_len = 4, 8, 131072
+    for seed in range(3):
+        rows = _batch(kind, seed, dp=dp, rows=2, seq_len=seq_len)
+        imb = {lay: plan_step(rows, cp, lay, COST).imbalance(COST) for lay in LAYOUTS}
+        print(kind, seed, {k: round(v, 4) for k, v in imb.items()})
+        assert imb["dynamic"] <= 1.05  # the target is <= 1.05; the brief's bar is 1.10
+        assert imb["dynamic"] < imb["head_tail"] and imb["dynamic"] < imb["contiguous"]
+
+
+def test_dynamic_respects_the_token_budget() -> None:
+    rows = _batch("lognormal", 2, dp=4, rows=2, seq_len=32768)
+    total = sum(sum(r) for g in rows for r in g)
+    for slack in (0.25, 0.1, 0.02):
+        plan = plan_step(rows, 4, "dynamic", COST, slack=slack)
+        budget = int(np.ceil(np.ceil(total / 16) * (1 + slack)))
+        assert plan.tokens_per_rank().max() <= budget
+        check_plan(rows, plan)
+    plan = plan_step(rows, 4, "dynamic", COST, max_tokens_per_rank=16600)  # mean 16384
+    assert plan.tokens_per_rank().max() <= 16600
+    check_plan(rows, plan)
+    with pytest.raises(PlanError, match="below the mean"):
+        plan_step(rows, 4, "dynamic", COST, max_tokens_per_rank=16000)
+    with pytest.raises(PlanError, match="fits on no rank"):  # cp = 1 cannot split a document
+        plan_step([[[9000]], [[1000]]], 1, "dynamic", max_tokens_per_rank=6000)
+
+
+def test_dynamic_is_deterministic() -> None:
+    rows = _batch("bimodal", 3, dp=4, rows=2, seq_len=32768)
+    a, b = (plan_step(rows, 4, "dynamic", COST) for _ in range(2))
+    for name in ("piece_rank", "piece_doc", "piece_start", "piece_end", "lmax", "needs_gather"):
+        assert np.array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_cost_closed_forms_match_a_loop() -> None:
+    rng = np.random.default_rng(0)
+    cm = CostModel(linear=1.0, sparse=0.01, dense=0.001, topk=7)
+    for _ in range(200):
+        s = int(rng.integers(0, 30))
+        e = s + int(rng.integers(0, 30))
+        pos = range(s, e)
+        tokens, sparse, dense = (int(v) for v in cm.terms(s, e))
+        assert (tokens, sparse, dense) == (
+            e - s,
+            sum(min(p + 1, 7) for p in pos),
+            sum(p + 1 for p in pos),
+        )
+        assert np.isclose(cm.cost(s, e), tokens + 0.01 * sparse + 0.001 * dense)
+    starts = rng.integers(0, 50, 64)
+    ends = starts + rng.integers(0, 50, 64)
+    costs = cm.cost(starts, ends)
+    assert np.allclose(costs, [cm.cost(int(s), int(e)) for s, e in zip(starts, ends)])
+
+
+def test_fit_recovers_coefficients() -> None:
+    rng = np.random.default_rng(1)
+    true = CostModel(linear=3e-4, sparse=5e-8, dense=2e-9, topk=512)
+    # Starts and lengths log-uniform over 1..100k, so the three terms are not collinear.
+    starts = np.exp(rng.uniform(0, np.log(1e5), 300)).astype(np.int64) - 1
+    ends = starts + np.exp(rng.uniform(0, np.log(1e5), 300)).astype(np.int64)
+    x = np.stack(true.terms(starts, ends), axis=1).astype(np.float64)
+    y = true.cost(starts, ends)
+    fit = CostModel.fit(np.column_stack([x, y]), topk=512)
+    assert fit.topk == 512
+    assert np.allclose([fit.linear, fit.sparse, fit.dense], [3e-4, 5e-8, 2e-9], rtol=1e-6)
+    # A term that does not matter comes out zero, never negative, despite noise.
+    y2 = 3e-4 * x[:, 0] + 5e-8 * x[:, 1]
+    noisy = y2 * (1 + 0.01 * rng.standard_normal(len(y2)))
+    fit2 = CostModel.fit(np.column_stack([x, noisy]), topk=512)
+    assert min(fit2.linear, fit2.sparse, fit2.dense) >= 0
+    assert np.isclose(fit2.linear, 3e-4, rtol=0.05) and np.isclose(fit2.sparse, 5e-8, rtol=0.2)
+
+
+def test_simulate_1024_ranks_ranks_dynamic_first() -> None:
+    lengths = _lengths("lognormal")
+    t0 = time.perf_counter()
+    out = {
+        lay: simulate(lengths, 131072, 1024, 8, lay, COST, steps=2, seed=0, rows_per_group=2)
+        for lay in LAYOUTS
+    }
+    elapsed = time.perf_counter() - t0
+    print({lay: round(r["mean_imbalance"], 4) for lay, r in out.items()}, f"{elapsed:.1f}s")
+    assert elapsed < 30  # seconds; a loaded 2-core CI box, a few seconds on a laptop
+    assert out["dynamic"]["steps"] == 2 and len(out["dynamic"]["imbalance"]) == 2
+    imb = {lay: r["mean_imbalance"] for lay, r in out.items()}
+    assert imb["dynamic"] < imb["head_tail"] < imb["contiguous"]
+    thr = {lay: r["throughput"] for lay, r in out.items()}
+    assert thr["dynamic"] > thr["head_tail"] > thr["contiguous"]
+    assert out["dynamic"]["bound_imbalance"] <= imb["dynamic"]
