@@ -387,9 +387,11 @@ class Supervisor:
                       f"the same command to resume (log {log_file})", file=sys.stderr)  # fmt: skip
                 rc = EXIT_USER_ERROR
                 break
-            self._record_fault(out, attempt)
+            evicted = self._record_fault(out, attempt)
             failures += 1
-            stalled = stalled + 1 if out.max_step <= last_max else 0
+            # An eviction changes the world the next attempt runs on: earlier attempts that made
+            # no progress on the evicted node say nothing about it.
+            stalled = 0 if evicted else stalled + 1 if out.max_step <= last_max else 0
             last_max = max(last_max, out.max_step)
             if failures > self.rc.max_restarts:
                 print(f"wanka train: giving up after {failures} faults (resilience.max_restarts="
@@ -427,7 +429,8 @@ class Supervisor:
         prev = self.outcomes[-2]
         return (prev.error, prev.max_step, prev.rank) == (out.error, out.max_step, out.rank)
 
-    def _record_fault(self, out: Outcome, attempt: int) -> None:
+    def _record_fault(self, out: Outcome, attempt: int) -> bool:
+        """Record the fault in the timeline and ledger; True when it got a node evicted."""
         t1 = out.t_detect or time.time()
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
                             node=out.node or self.node, detail=out.detail,
@@ -438,22 +441,24 @@ class Supervisor:
                            injected=injected)  # fmt: skip
         reason = self.ledger.evaluate(node, self.policy)
         if not reason:
-            return
+            return False
         left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
         if left and not self._fits(len(left)):
             print(f"wanka train: node {node} meets the eviction policy ({reason}) but "
                   f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
-                  f"x ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
+                  f"x cp={self.cfg.parallel.cp} with ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
             self.ledger.evict(node, reason)
             left = ", ".join(n.name for n in self.active_nodes())
             print(f"wanka train: evicting node {node} ({reason}); continuing on {left}",
                   file=sys.stderr, flush=True)  # fmt: skip
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
+            return True
         elif node not in self._warned:
             self._warned.add(node)
             print(f"wanka train: node {node} meets the eviction policy ({reason}) but no other "
                   "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
+        return False
 
     def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
         node = node or self.node
