@@ -34,3 +34,21 @@ def test_config_checks_cp_fields():
         load_config(None, ["parallel.cp=3", "parallel.cp_layout=contiguous", "data.seq_len=256"])
     cfg = load_config(None, ["parallel.cp=3", "data.seq_len=256"])  # dynamic: any cp
     assert cfg.parallel.cp == 3 and cfg.parallel.cp_layout == "dynamic"
+
+
+def test_cp_cost_file_is_read_or_refused_in_one_line(tmp_path):
+    from wanka.train.trainer import _cp_cost
+
+    cfg = load_config(None, ["parallel.cp=2", "model.index_topk=64"])
+    assert _cp_cost(cfg).topk == 64  # the built-in estimate follows the model's k
+    good = tmp_path / "cp.json"
+    good.write_text('{"cost_model": {"linear": 1e-4, "sparse": 2e-6, "dense": 3e-8, "topk": 64}}')
+    cfg = load_config(None, ["parallel.cp=2", f'parallel.cp_cost="{good}"'])
+    assert _cp_cost(cfg).sparse == 2e-6
+    junk = tmp_path / "junk.json"
+    junk.write_text("[1, 2]")
+    cases = ((tmp_path / "none.json", "no such file"), (tmp_path, "cannot read"), (junk, "not a"))
+    for bad, needle in cases:
+        cfg = load_config(None, ["parallel.cp=2", f'parallel.cp_cost="{bad}"'])
+        with pytest.raises(ConfigError, match=f"parallel.cp_cost.*{needle}"):
+            _cp_cost(cfg)

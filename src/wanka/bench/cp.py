@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from wanka.bench import cp_report as report
-from wanka.distributed.cp_cost import CostModel
+from wanka.distributed.cp_cost import CostModel, load_cost
 
 SEQ_LENS = (8192, 16384, 32768)
 QUICK = {"seq_lens": (8192,), "steps": 3}
@@ -96,15 +96,7 @@ def length_summary(lengths: np.ndarray, source: str) -> dict:
 
 def read_cost(path: Path) -> CostModel:
     """The fitted cost model of a measured run's JSON (or a JSON of just its fields)."""
-    try:
-        doc = json.loads(path.read_text())
-        fields = doc.get("cost_model", doc)
-        return CostModel(**{k: fields[k] for k in ("linear", "sparse", "dense", "topk")})
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--cost {path}: no such file") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--cost {path}: not a `wanka bench cp` result with a cost_model "
-                         f"({type(e).__name__}: {e})") from None  # fmt: skip
+    return load_cost(path, "--cost")
 
 
 def _check_seq_lens(seq_lens: tuple[int, ...], cp: int) -> None:

@@ -99,6 +99,9 @@ class ParallelConfig:
     # How a CP group splits its documents: contiguous chunks of each row, head-tail chunks of
     # each document, or a per-step cost-model plan over the whole dp x cp group.
     cp_layout: Literal["contiguous", "head_tail", "dynamic"] = "dynamic"
+    # A `wanka bench cp` result whose fitted cost model the dynamic layout plans with
+    # ("": the built-in estimate, with model.index_topk).
+    cp_cost: str = ""
 
 
 @dataclass

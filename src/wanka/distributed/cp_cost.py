@@ -22,9 +22,11 @@ balancing; ``fit`` replaces them with measured ones.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from pathlib import Path
 
 import numpy as np
 
@@ -102,3 +104,19 @@ class CostModel:
             raise ValueError("fit found no positive coefficient: are the timings positive?")
         linear, sparse, dense = (best / scale).tolist()
         return cls(linear=linear, sparse=sparse, dense=dense, topk=topk)
+
+
+def load_cost(path: Path | str, what: str = "--cost") -> CostModel:
+    """The fitted cost model of a `wanka bench cp` result JSON (or a JSON of just its fields);
+    `what` names the flag or config field in the one-line error."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        fields = doc.get("cost_model", doc)
+        return CostModel(**{k: fields[k] for k in ("linear", "sparse", "dense", "topk")})
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path}: no such file") from None
+    except OSError as e:
+        raise OSError(f"{what} {path}: cannot read it ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{what} {path}: not a `wanka bench cp` result with a cost_model "
+                         f"({type(e).__name__}: {e})") from None  # fmt: skip

@@ -29,6 +29,7 @@ from wanka.device import (
     resolve_device_type,
 )
 from wanka.distributed.context_parallel import CPLayout, CPSharder
+from wanka.distributed.cp_cost import CostModel, load_cost
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
@@ -105,7 +106,8 @@ def setup(cfg: JobConfig) -> Job:
         rows, load_rank, load_ranks = rows * dims.dp_shard, 0, 1
         cp_shard = CPSharder(dims.dp_shard, dims.cp, dp_rank, dims.mesh("cp").get_local_rank(),
                              dims.mesh("cp").get_group(), cfg.parallel.cp_layout,
-                             cfg.model.mtp_depth, cfg.data.seq_len > cfg.model.index_topk)  # fmt: skip
+                             cfg.model.mtp_depth, cfg.data.seq_len > cfg.model.index_topk,
+                             _cp_cost(cfg))  # fmt: skip
     loader = PackedLoader(train_ds, cfg.data.seq_len, rows, load_rank, load_ranks, cfg.train.seed)
     val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len, rows,
                              cfg.data.val_batches, load_rank, load_ranks)  # fmt: skip
@@ -125,6 +127,17 @@ def setup(cfg: JobConfig) -> Job:
         raise ConfigError(_optimizer_field(str(e)), str(e).splitlines()[0]) from None
     return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime,
                cp_shard)  # fmt: skip
+
+
+def _cp_cost(cfg: JobConfig) -> CostModel:
+    """The cost model the dynamic CP layout plans with: a fitted one, or the built-in estimate."""
+    if not cfg.parallel.cp_cost:
+        return CostModel(topk=cfg.model.index_topk)
+    try:
+        return load_cost(cfg.parallel.cp_cost, "parallel.cp_cost")
+    except (OSError, ValueError) as e:
+        raise ConfigError("parallel.cp_cost", str(e), "run `wanka bench cp` and point it at "
+                          "its JSON, or set it to \"\"") from None  # fmt: skip
 
 
 def _optimizer_field(message: str) -> str:
@@ -151,6 +164,8 @@ def _dataset_path(cfg: JobConfig, rank: int) -> Path:
 def check_data(cfg: JobConfig, world_size: int) -> None:
     """Open the data as rank 0 would (preparing the built-in corpus if needed), so that a
     dataset too small for the sequence length or batch fails once, before ranks start."""
+    if cfg.parallel.cp_cost:
+        _cp_cost(cfg)  # a missing or foreign cost file: one line here, not one per rank
     path = _dataset_path(cfg, rank=0)
     check_vocab(TokenDataset(path, "train").vocab_size, cfg.model.vocab_size)
     PackedLoader(
