@@ -32,6 +32,9 @@ def test_config_checks_cp_fields():
         load_config(None, ["parallel.cp_layout=zigzag"])
     with pytest.raises(ConfigError, match="does not divide data.seq_len"):
         load_config(None, ["parallel.cp=3", "parallel.cp_layout=contiguous", "data.seq_len=256"])
+    for unsupported in ("train.activation_checkpointing=full", "train.compile=true"):
+        with pytest.raises(ConfigError, match="not supported with parallel.cp > 1"):
+            load_config(None, ["parallel.cp=2", unsupported])
     cfg = load_config(None, ["parallel.cp=3", "data.seq_len=256"])  # dynamic: any cp
     assert cfg.parallel.cp == 3 and cfg.parallel.cp_layout == "dynamic"
 

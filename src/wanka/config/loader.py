@@ -177,6 +177,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("parallel.cp", f"cp={cfg.parallel.cp} does not divide data.seq_len={d.seq_len}",
                           "the contiguous layout cuts each row into cp equal chunks: pick a divisor, "
                           "or parallel.cp_layout='head_tail' / 'dynamic'")  # fmt: skip
+    if cfg.parallel.cp > 1 and t.activation_checkpointing != "off":
+        # Recomputation re-runs the K/V all-gather inside backward, where each rank's own graph
+        # decides when: ranks could meet it in different orders. Not supported yet.
+        raise ConfigError("train.activation_checkpointing", "is not supported with parallel.cp > 1 yet",
+                          "set it to 'off', or parallel.cp=1")  # fmt: skip
+    if cfg.parallel.cp > 1 and t.compile:
+        raise ConfigError("train.compile", "is not supported with parallel.cp > 1 yet (each step's "
+                          "layout would recompile the blocks)", "set train.compile=false")  # fmt: skip
     if m.mtp_depth < 0 or m.mtp_depth >= d.seq_len:
         raise ConfigError("model.mtp_depth", f"must be in [0, seq_len), got {m.mtp_depth}")
     if t.warmup_steps < 0 or t.dense_warmup_steps < 0:
