@@ -137,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _bench_memory(args: argparse.Namespace) -> int:
     from wanka.bench.memory import bench_memory_main
 
-    return bench_memory_main(Path(args.out), args.quick, tuple(args.ac.split(",")))
+    return bench_memory_main(Path(args.out), args.quick, tuple(args.ac.split(",")), args.cp)
 
 
 def _bench_moe(args: argparse.Namespace) -> int:
@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         help="activation checkpointing modes, comma-separated: off,full,selective",
     )
+    bm.add_argument("--cp", action="store_true",
+                    help="context parallelism: cp=4 at a 4x longer sequence vs cp=1 (tiny)")  # fmt: skip
     bm.add_argument("--out", default="runs/bench/memory.json", help="JSON result file")
     bm.set_defaults(fn=_bench_memory)
     bmo = b.add_parser("moe", help="MoE layer fwd+bwd: grouped experts vs the per-expert loop")

@@ -188,6 +188,27 @@ def test_train_job_spans_nodes(tmp_path):
 
 
 @pytest.mark.slow
+def test_context_parallel_inside_nodes_data_parallel_across(tmp_path):
+    """2 nodes x 2 ranks, cp = 2: each CP group (consecutive ranks) sits inside a node, the dp
+    groups span the link; the dynamic plan may widen a step's gather block across it."""
+    skip_unless_available()
+    from wanka.cluster.launch import launch_on_cluster
+
+    with cluster_up(2, 1.0, name="wkcp", subnet="10.231.7.0/24") as c:
+        sets = ["train.steps=3", "parallel.cp=2", "parallel.ep=2", "data.seq_len=256",
+                f'run.dir="{tmp_path}/run"', "run.tensorboard=false",
+                f'data.cache_dir="{tmp_path}/cache"']  # fmt: skip
+        args = ["train", str(Path(__file__).parents[2] / "configs/demo.toml")]
+        args += sum((["--set", s] for s in sets), [])
+        assert launch_on_cluster(2, args, c.state_dir) == 0
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["world_size"] == 4
+        assert summary["val_loss"] == summary["val_loss"]  # a number, not NaN
+        log = (tmp_path / "run" / "logs" / "rank0.log").read_text()
+        assert "dp 2 x cp 2" in log
+
+
+@pytest.mark.slow
 def test_bench_net_quick_matches_link():
     skip_unless_available()
     from wanka.bench.net import run_bench

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch, _row, _stack, _Stream
 from wanka.distributed.context_parallel import CPSharder
+from wanka.distributed.cp_cost import CostModel
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
 from wanka.models.transformer import Transformer
@@ -70,10 +71,14 @@ def reference(micro: list[Batch], cfg: ModelConfig, phase: str) -> dict:
 def cp_step(micro: list[Batch], dims: ParallelDims, cfg: ModelConfig, layout: str,
             phase: str) -> dict:  # fmt: skip
     model = build(dims, cfg)
+    cost = None
+    if layout == "dynamic_wide":  # a cost model so attention-heavy that plans widen the block
+        layout, cost = "dynamic", CostModel(linear=1.0, sparse=0.0, dense=1.0, topk=16)
     shard = CPSharder(dims.dp_shard, dims.cp, dims.mesh("dp").get_local_rank(),
-                      dims.mesh("cp").get_local_rank(), dims.mesh("cp").get_group(), layout,
-                      cfg.mtp_depth, SEQ_LEN > cfg.index_topk)  # fmt: skip
+                      dims.mesh("cp").get_local_rank(), dims.gather_groups(), layout,
+                      cfg.mtp_depth, SEQ_LEN > cfg.index_topk, cost)  # fmt: skip
     local = [shard(b) for b in micro]
+    spans = [dist.get_world_size(lay.group) for _, lay in local]
     counts = torch.tensor([sum(int((b.labels != -100).sum()) for b, _ in local),
                            sum(int((t != -100).sum()) for _, lay in local for t in lay.mtp_labels)],
                           dtype=torch.float64)  # fmt: skip
@@ -92,7 +97,12 @@ def cp_step(micro: list[Batch], dims: ParallelDims, cfg: ModelConfig, layout: st
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             grads[n] = g.detach().clone()
-    return {"sums": sums, "grads": grads, "tokens": [int(b.tokens.numel()) for b, _ in local]}
+    return {
+        "sums": sums,
+        "grads": grads,
+        "tokens": [int(b.tokens.numel()) for b, _ in local],
+        "spans": spans,
+    }
 
 
 def run(out: str, cp: int, ep: int, layouts: list[str], phases: list[str], docs: list[int],
@@ -111,5 +121,17 @@ def run(out: str, cp: int, ep: int, layouts: list[str], phases: list[str], docs:
                 results[(layout, phase)] = cp_step(micro, dims, model_cfg, layout, phase)
         if dist.get_rank() == 0:
             torch.save(results, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def gather_group_ranks(out: str, cp: int) -> None:
+    """Spawn entry point: every rank writes the members of each of its gather groups."""
+    dist.init_process_group("gloo")
+    try:
+        dims = ParallelDims.resolve(-1, 1, dist.get_world_size(), cp)
+        dims.build_meshes("cpu")
+        groups = {s: dist.get_process_group_ranks(g) for s, g in dims.gather_groups().items()}
+        Path(f"{out}.{dist.get_rank()}").write_text(repr(sorted(groups.items())))
     finally:
         dist.destroy_process_group()

@@ -4,7 +4,7 @@ dp 2 x cp 2 equal one unsharded process on the same batch, for every layout and 
 import pytest
 import torch
 
-from tests.distributed.cp_step import run
+from tests.distributed.cp_step import gather_group_ranks, run
 from tests.distributed.helpers import losses, spawn, train_job
 
 LAYOUTS = ["contiguous", "head_tail", "dynamic"]
@@ -38,6 +38,28 @@ def test_cp_matches_unsharded(tmp_path, world, cp, ep):
     _check(res, phases, LAYOUTS)
     for layout in LAYOUTS:  # every rank computed something
         assert all(n > 0 for n in res[(layout, phases[0])]["tokens"])
+
+
+def test_cp_with_a_widened_gather_block_matches_unsharded(tmp_path):
+    """dp 2 x cp 2 where the dynamic plan splits a document over all 4 ranks (span 4): one
+    row is a single document that costs more than a CP group's share, the others hold short
+    documents; the gather runs over both CP groups and the result is still the unsharded one."""
+    out = tmp_path / "res.pt"
+    spawn(4, run, str(out), 2, 1, ["dynamic_wide"], ["sparse"], [96] + [2] * 150, 4)
+    res = torch.load(out, weights_only=False)
+    _check(res, ["sparse"], ["dynamic_wide"])
+    assert res[("dynamic_wide", "sparse")]["spans"] == [4, 4]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_gather_groups_are_aligned_blocks_of_whole_cp_groups(tmp_path, cp):
+    spawn(4, gather_group_ranks, str(tmp_path / "g"), cp)
+    got = [eval((tmp_path / f"g.{r}").read_text()) for r in range(4)]
+    if cp == 1:  # no context parallelism: no gather groups at all
+        assert got == [[]] * 4
+        return
+    for r in range(4):
+        assert got[r] == [(2, [r // 2 * 2, r // 2 * 2 + 1]), (4, [0, 1, 2, 3])]
 
 
 def test_cp_training_job_matches_single_process(job_args, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -41,10 +42,14 @@ def check_plan(rows: list[list[list[int]]], plan: CPPlan) -> None:
     """Every invariant a consumer relies on, rebuilt from all ranks' layouts."""
     lengths = [n for group in rows for row in group for n in row]
     held = [np.zeros(n, dtype=np.int64) for n in lengths]  # times each token is held
-    for group in range(plan.dp):
-        lays = [plan.rank_layout(group, r) for r in range(plan.cp)]
+    assert plan.span % plan.cp == 0 and plan.ranks % plan.span == 0
+    assert len(plan.lmax) == len(plan.needs_gather) == plan.ranks // plan.span
+    for group in range(plan.ranks // plan.span):  # gather blocks (CP groups when span == cp)
+        members = range(group * plan.span, (group + 1) * plan.span)
+        lays = [plan.rank_layout(*divmod(r, plan.cp)) for r in members]
+        assert all(plan.block_of(lay.dp_rank, lay.cp_rank) == group for lay in lays)
         assert plan.lmax[group] == max(lay.n_tokens for lay in lays)
-        gathered = np.full((plan.cp * int(plan.lmax[group]), 2), -1)  # (doc, pos) per slot
+        gathered = np.full((plan.span * int(plan.lmax[group]), 2), -1)  # (doc, pos) per slot
         for r, lay in enumerate(lays):
             base = r * plan.lmax[group]
             gathered[base : base + lay.n_tokens] = np.stack([lay.doc_of_token, lay.pos_of_token], 1)
@@ -196,6 +201,100 @@ def test_dynamic_is_deterministic() -> None:
     a, b = (plan_step(rows, 4, "dynamic", COST) for _ in range(2))
     for name in ("piece_rank", "piece_doc", "piece_start", "piece_end", "lmax", "needs_gather"):
         assert np.array_equal(getattr(a, name), getattr(b, name))
+    assert a.span == b.span
+
+
+def _one_long_one_short(dp: int, seq_len: int) -> list[list[list[int]]]:
+    """dp group 0's row is one document, every other group's many short ones: a CP group
+    cannot hold the long one's cost near the mean, whatever it does inside the group."""
+    return [[[seq_len]]] + [[[seq_len // 32] * 32] for _ in range(dp - 1)]
+
+
+def test_dynamic_widens_the_gather_block_for_a_long_document() -> None:
+    rows = _one_long_one_short(dp=4, seq_len=32768)
+    narrow = plan_step(rows, 2, "dynamic", COST, max_span=2)
+    wide = plan_step(rows, 2, "dynamic", COST)
+    assert narrow.span == 2 and wide.span > 2
+    # The long document (doc 0) spreads over more than one CP group's ranks.
+    assert len(np.unique(wide.piece_rank[wide.piece_doc == 0])) > 2
+    assert wide.imbalance(COST) < 0.9 * narrow.imbalance(COST)
+    assert wide.imbalance(COST) <= 1.05
+    check_plan(rows, narrow)
+    check_plan(rows, wide)
+    capped = plan_step(rows, 2, "dynamic", COST, max_span=4)
+    assert capped.span == 4
+    check_plan(rows, capped)
+    with pytest.raises(ValueError, match="at least cp"):
+        plan_step(rows, 2, "dynamic", COST, max_span=1)
+
+
+def test_a_costly_gather_keeps_the_block_narrow() -> None:
+    rows = _one_long_one_short(dp=4, seq_len=32768)
+    assert plan_step(rows, 2, "dynamic", COST).span > 2
+    # A gather that costs as much per token as all the per-token compute: never worth it.
+    slow_link = dataclasses.replace(COST, gather=COST.linear)
+    assert plan_step(rows, 2, "dynamic", slow_link).span == 2
+
+
+def test_default_span_is_at_most_four_cp_groups_and_a_failed_widening_is_skipped() -> None:
+    for seed in range(3):
+        rows = _batch("lognormal", seed, dp=16, rows=1, seq_len=16384)
+        assert plan_step(rows, 2, "dynamic", FITTED).span <= 8
+    # A budget so tight that the wider plans find no room: the CP-group plan stands.
+    rows = [[[256]], [[40, 27, 33, 155, 1]], [[256]], [[54, 62, 70, 70]]]
+    narrow = plan_step(rows, 2, "dynamic", FITTED, slack=0.02, max_span=2)
+    plan = plan_step(rows, 2, "dynamic", FITTED, slack=0.02)
+    check_plan(rows, plan)
+    assert plan.imbalance(FITTED) <= narrow.imbalance(FITTED) + 1e-12
+
+
+def test_dynamic_falls_back_to_head_tail_when_the_greedy_finds_no_room(monkeypatch) -> None:
+    import wanka.distributed.cp_plan as cp_plan
+
+    def no_room(*args, **kwargs):
+        raise PlanError("a document of 9 tokens fits on no rank")
+
+    rows = _batch("lognormal", 4, dp=4, rows=1, seq_len=4096)
+    monkeypatch.setattr(cp_plan, "assign_dynamic", no_room)
+    plan = plan_step(rows, 2, "dynamic", FITTED)
+    ref = plan_step(rows, 2, "head_tail")
+    assert plan.layout == "dynamic" and plan.span == 2
+    assert np.array_equal(plan.piece_rank, ref.piece_rank)
+    assert np.array_equal(plan.piece_start, ref.piece_start)
+    check_plan(rows, plan)
+    # ...but not past the budget: one rank would hold a whole 9000-token row.
+    with pytest.raises(PlanError, match="fits on no rank"):
+        plan_step([[[9000]], [[1000]]], 1, "dynamic", max_tokens_per_rank=6000)
+
+
+def test_dynamic_keeps_the_cp_group_when_widening_does_not_pay() -> None:
+    # Every dp group alike: spreading wider gains nothing, and each widening costs a bigger
+    # gather, so the plan stays at span = cp.
+    rows = [[[4096] * 2] for _ in range(4)]
+    plan = plan_step(rows, 2, "dynamic", COST)
+    assert plan.span == 2
+    check_plan(rows, plan)
+
+
+# The shape of a cost model `wanka bench cp` fitted on the CPU (attention-heavy: small model).
+FITTED = CostModel(linear=3.7e-4, sparse=1.05e-6, dense=8.1e-8, topk=256)
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "uniform", "bimodal"])
+def test_wider_spans_are_valid_on_drawn_batches(kind: str) -> None:
+    spans = []
+    for seed in range(4):
+        rows = _batch(kind, seed, dp=8, rows=1, seq_len=16384)
+        plan = plan_step(rows, 2, "dynamic", FITTED)
+        spans.append(plan.span)
+        check_plan(rows, plan)
+        narrow = plan_step(rows, 2, "dynamic", FITTED, max_span=2)
+        if plan.span == 2:
+            assert np.array_equal(plan.piece_rank, narrow.piece_rank)
+        else:  # widened only for a real gain
+            assert plan.rank_costs(FITTED).max() <= 0.99 * narrow.rank_costs(FITTED).max()
+    if kind != "bimodal":  # bimodal rows are mostly one long fragment each: alike already
+        assert max(spans) > 2, spans
 
 
 def test_cost_closed_forms_match_a_loop() -> None:

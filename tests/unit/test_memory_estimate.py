@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,6 +135,44 @@ def test_job_settings_follow_the_config():
         4, 2, "bf16", "bf16", "full")  # fmt: skip
     assert settings_for_job(cfg, 4, "cpu")[0].compute_dtype == "fp32"  # auto on CPU
     assert job_memory(cfg, 4, "cpu").peak > 0
+
+
+def test_cp_settings_follow_the_config():
+    cfg = load_config(None, ["parallel.cp=4", "data.seq_len=1024", "train.micro_batch_size=2"])
+    s = settings_for_job(cfg, 8, "cpu")[-1]
+    # FSDP over dp x cp = all 8 ranks; dynamic: the plan's token budget (mean + 10%); the
+    # gather may widen to every rank.
+    assert (s.dp_shard, s.cp, s.cp_span) == (8, 4, 8)
+    assert s.tokens == s.cp_tokens == int(np.ceil(2 * 1024 / 4 * 1.10))
+    ht = load_config(None, ["parallel.cp=4", "parallel.cp_layout=\"head_tail\"",
+                            "parallel.dp_shard=2", "data.seq_len=1024",
+                            "train.micro_batch_size=1"])  # fmt: skip
+    s = settings_for_job(ht, 8, "cpu")[-1]
+    assert (s.dp_shard, s.cp_span, s.tokens) == (8, 4, 256)
+    # The widest gather block a plan may pick: cp x 2^k dividing the world, <= 4 cp by default.
+    for world, max_span, span in [(6, 0, 2), (12, 0, 4), (16, 0, 8), (8, 6, 4), (16, 16, 16)]:
+        c = load_config(None, ["parallel.cp=2", f"parallel.cp_max_span={max_span}"])
+        assert settings_for_job(c, world, "cpu")[-1].cp_span == span, (world, max_span)
+    plain = load_config(None, [])
+    assert settings_for_job(plain, 8, "cpu")[-1].tokens == (
+        plain.train.micro_batch_size * plain.data.seq_len
+    )  # no CP: the whole micro-batch
+
+
+def test_cp_divides_activations_but_keeps_the_blocks_gathered():
+    one = memory_breakdown(TINY, cpu(seq_len=4096, dp_shard=4))
+    cp4 = memory_breakdown(TINY, cpu(seq_len=16384, dp_shard=4, cp=4))
+    # 4x the sequence over 4 ranks: about the same activations (a rank also keeps the
+    # document prefixes it read from the gathered keys, a whole sequence's K and V)...
+    assert sum(cp4.saved_by_part.values()) == pytest.approx(
+        sum(one.saved_by_part.values()), rel=0.15
+    )
+    assert cp4.saved_by_part["attention"] > one.saved_by_part["attention"]
+    # ...but FSDP does not reshard blocks between forward and backward under CP (ZeRO-2).
+    late = [m for m in cp4.moments if m.startswith("forward mtp")]
+    assert max(cp4.moments[m]["gathered_params"] for m in late) > 2 * max(
+        one.moments[m]["gathered_params"] for m in late
+    )
 
 
 # ------------------------------------------------- activations vs autograd's saved tensors

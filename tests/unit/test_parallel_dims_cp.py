@@ -37,6 +37,11 @@ def test_config_checks_cp_fields():
             load_config(None, ["parallel.cp=2", unsupported])
     cfg = load_config(None, ["parallel.cp=3", "data.seq_len=256"])  # dynamic: any cp
     assert cfg.parallel.cp == 3 and cfg.parallel.cp_layout == "dynamic"
+    assert cfg.parallel.cp_max_span == 0  # any span
+    for bad in ("1", "-4"):
+        with pytest.raises(ConfigError, match="parallel.cp_max_span.*below parallel.cp=2"):
+            load_config(None, ["parallel.cp=2", f"parallel.cp_max_span={bad}"])
+    assert load_config(None, ["parallel.cp=2", "parallel.cp_max_span=4"]).parallel.cp_max_span == 4
 
 
 def test_cp_cost_file_is_read_or_refused_in_one_line(tmp_path):
@@ -48,6 +53,13 @@ def test_cp_cost_file_is_read_or_refused_in_one_line(tmp_path):
     good.write_text('{"cost_model": {"linear": 1e-4, "sparse": 2e-6, "dense": 3e-8, "topk": 64}}')
     cfg = load_config(None, ["parallel.cp=2", f'parallel.cp_cost="{good}"'])
     assert _cp_cost(cfg).sparse == 2e-6
+    assert _cp_cost(cfg).gather == 1.5e-6  # not in the file: the built-in estimate
+    good.write_text('{"linear": 1e-4, "sparse": 2e-6, "dense": 3e-8, "topk": 64, "gather": 0}')
+    assert _cp_cost(cfg).gather == 0.0  # a file may set it (0: gathers are free)
+    negative = tmp_path / "neg.json"
+    negative.write_text('{"linear": 1e-4, "sparse": 0, "dense": 0, "topk": 64, "gather": -1}')
+    with pytest.raises(ConfigError, match="parallel.cp_cost.*not a"):
+        _cp_cost(load_config(None, ["parallel.cp=2", f'parallel.cp_cost="{negative}"']))
     junk = tmp_path / "junk.json"
     junk.write_text("[1, 2]")
     cases = ((tmp_path / "none.json", "no such file"), (tmp_path, "cannot read"), (junk, "not a"))
@@ -55,3 +67,23 @@ def test_cp_cost_file_is_read_or_refused_in_one_line(tmp_path):
         cfg = load_config(None, ["parallel.cp=2", f'parallel.cp_cost="{bad}"'])
         with pytest.raises(ConfigError, match=f"parallel.cp_cost.*{needle}"):
             _cp_cost(cfg)
+
+
+def test_cp_sharder_without_gather_groups_plans_whole_documents():
+    """cp = 1 (no gather groups): every rank of dp 2 takes whole documents, nothing gathered."""
+    import torch
+
+    from wanka.data.loader import Batch
+    from wanka.distributed.context_parallel import CPSharder
+
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1]])
+    tokens = torch.arange(16).reshape(2, 8)
+    rows = Batch(tokens, tokens + 1, torch.zeros_like(tokens), doc_ids)
+    got = []
+    for dp_rank in (0, 1):
+        shard = CPSharder(2, 1, dp_rank, 0, {}, "dynamic", 0, True)
+        assert shard.max_span == 1
+        local, layout = shard(rows)
+        assert not layout.needs_gather and layout.group is None
+        got += local.tokens.flatten().tolist()
+    assert sorted(got) == list(range(16))

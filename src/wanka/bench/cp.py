@@ -195,8 +195,9 @@ def run_simulated(lengths: np.ndarray, source: str, out: Path, *, ranks: tuple[i
             raise ValueError(f"--ranks {n} must be a positive multiple of --cp {cp}")
     notes = ["modelled, not measured: each step's time is its busiest rank's modelled cost; "
              "rel. throughput = tokens per modelled second over contiguous's at the same "
-             "ranks and seq len; bound imb. = the best any layout could do (mean, or the "
-             "largest document spread over cp ranks)."]  # fmt: skip
+             "ranks and seq len; bound imb. = the best a layout that keeps each document "
+             "inside one CP group could do (mean, or the largest document spread over cp "
+             "ranks): dynamic goes below it by widening the gather block (mean span > cp)."]  # fmt: skip
     if cost is None:
         cost = CostModel()
         notes.insert(0, "NO FITTED COST MODEL (--cost): using CostModel() defaults, a FLOP "
@@ -210,7 +211,7 @@ def run_simulated(lengths: np.ndarray, source: str, out: Path, *, ranks: tuple[i
             for x, r in got.items():
                 keep = ("ranks", "cp", "dp", "seq_len", "steps", "mean_imbalance", "throughput",
                         "efficiency", "bound_imbalance", "gather_fraction",
-                        "lmax_over_mean_tokens")  # fmt: skip
+                        "lmax_over_mean_tokens", "mean_span")  # fmt: skip
                 rows.append({"layout": x, **{k: r[k] for k in keep},
                              "max_imbalance": max(r["imbalance"]),
                              "rel_throughput": r["throughput"] / base})  # fmt: skip

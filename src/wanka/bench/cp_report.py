@@ -37,6 +37,8 @@ def summarise_layout(steps: list[list[dict]], tokens_per_step: int) -> dict:
         "mean_imbalance": float(imbalance.mean()),
         "max_imbalance": float(imbalance.max()),
         "plan_ms_median": 1e3 * float(np.median(plan.max(axis=1))),
+        # Ranks per gather block in each step (cp unless a dynamic plan widened it).
+        "span_per_step": [int(s[0].get("span", 0)) for s in steps],
         "tokens_per_rank": [[r["tokens"] for r in s] for s in steps],
         "wall_s": wall.tolist(),
         "compute_s": compute.tolist(),
@@ -118,13 +120,13 @@ def targets_line(rows: list[dict]) -> str:
 
 def markdown_simulated(rows: list[dict]) -> str:
     head = ["ranks", "cp", "seq len", "layout", "mean imb.", "bound imb.", "efficiency",
-            "rel. throughput", "gather groups"]  # fmt: skip
+            "rel. throughput", "gathering blocks", "mean span"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in rows:
         cells = [str(r["ranks"]), str(r["cp"]), str(r["seq_len"]), r["layout"],
                  f"{r['mean_imbalance']:.3f}", f"{r['bound_imbalance']:.3f}",
                  f"{r['efficiency']:.3f}", f"{r['rel_throughput']:.2f}x",
-                 f"{r['gather_fraction']:.0%}"]  # fmt: skip
+                 f"{r['gather_fraction']:.0%}", f"{r['mean_span']:.1f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -63,15 +63,15 @@ def _build(cfg: ModelConfig, dims: ParallelDims) -> torch.nn.Module:
 
 
 def _rank_terms(rows: Batch, dp: int, cp: int, layout: str, plan_cost: CostModel,
-                topk: int, rank: int) -> list[int]:  # fmt: skip
-    """(tokens, sparse pairs, dense pairs) of the pieces `rank` holds (plans are deterministic:
-    this is the plan CPSharder used)."""
+                topk: int, rank: int) -> tuple[list[int], int]:  # fmt: skip
+    """((tokens, sparse pairs, dense pairs) of the pieces `rank` holds, the plan's gather span)
+    (plans are deterministic: this is the plan CPSharder used)."""
     per_row = rows_from_doc_ids(rows.doc_ids.numpy())
     B = len(per_row) // dp
     plan = plan_step([per_row[g * B : (g + 1) * B] for g in range(dp)], cp, layout, plan_cost)
     mine = plan.piece_rank == rank
     terms = CostModel(topk=topk).terms(plan.piece_start[mine], plan.piece_end[mine])
-    return [int(t.sum()) for t in terms]
+    return [int(t.sum()) for t in terms], plan.span
 
 
 class _Ranks:
@@ -87,7 +87,7 @@ class _Ranks:
 
     def step(self, rows: Batch, layout: str, plan_cost: CostModel) -> dict:
         sharder = CPSharder(self.dp, self.cp, self.dp_rank, self.cp_rank,
-                            self.dims.mesh("cp").get_group(), layout, self.cfg.mtp_depth,
+                            self.dims.gather_groups(), layout, self.cfg.mtp_depth,
                             rows.tokens.shape[1] > self.cfg.index_topk, plan_cost)  # fmt: skip
         # Every rank starts the step together. An all-reduce, not dist.barrier(): with a
         # barrier here and an all_gather_object after each step, gloo intermittently saw
@@ -102,9 +102,11 @@ class _Ranks:
         c2, w1 = time.thread_time(), time.perf_counter()
         self.model.zero_grad(set_to_none=True)
         rank = dist.get_rank()
-        terms = _rank_terms(rows, self.dp, self.cp, layout, plan_cost, self.cfg.index_topk, rank)
+        terms, span = _rank_terms(
+            rows, self.dp, self.cp, layout, plan_cost, self.cfg.index_topk, rank
+        )
         return {"rank": rank, "tokens": int(b.tokens.numel()), "wall_s": w1 - w0,
-                "plan_s": c1 - c0, "compute_s": c2 - c1, "terms": terms}  # fmt: skip
+                "plan_s": c1 - c0, "compute_s": c2 - c1, "terms": terms, "span": span}  # fmt: skip
 
 
 def _gather(mine: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:

@@ -35,6 +35,7 @@ estimate's `master_params + adam_moments`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -64,9 +65,13 @@ class MemCase:
     micro_batch: int
     steps: int = 3
     ac: str = "off"
+    cp: int = 1
+    cp_layout: str = "dynamic"
 
     @property
     def layout(self) -> str:
+        if self.cp > 1:
+            return f"dp{self.nproc // self.cp}xcp{self.cp}-{self.cp_layout}"
         return f"dp{self.nproc}xep{self.ep}"
 
     @property
@@ -83,6 +88,30 @@ def cases(quick: bool) -> list[MemCase]:
     else:
         small = [MemCase("small", 1, 1, 2048, 1, steps), MemCase("small", 2, 2, 2048, 1, steps)]
     return tiny + small
+
+
+def cp_cases(quick: bool) -> list[MemCase]:
+    """Context parallelism's memory claim: cp = 4 runs a 4x longer sequence at about the
+    per-rank peak of cp = 1 (tiny; both CP layouts that differ in tokens per rank)."""
+    L = 2048 if quick else 4096
+    return [
+        MemCase("tiny", 1, 1, L, 1, 3),
+        MemCase("tiny", 4, 1, 4 * L, 1, 3, cp=4, cp_layout="head_tail"),
+        MemCase("tiny", 4, 1, 4 * L, 1, 3, cp=4, cp_layout="dynamic"),
+    ]
+
+
+def cp_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cp > 1 row's measured peak over the cp = 1 row's (the target: 1 +- 0.15)."""
+    base = next((r for r in rows if r.get("cp", 1) == 1 and "measured_mib" in r), None)
+    out = []
+    for r in rows:
+        if r.get("cp", 1) > 1 and base is not None and "measured_mib" in r:
+            ratio = r["measured_mib"] / base["measured_mib"]
+            out.append({"case": r["case"], "vs": base["case"], "peak_ratio": ratio,
+                        "estimate_ratio": r["estimate_mib"] / base["estimate_mib"],
+                        "within_15pct": abs(ratio - 1) <= 0.15})  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,12 +257,16 @@ def case_overrides(case: MemCase, run_dir: Path, data_path: str | None = None) -
         "train.activation_checkpointing": json.dumps(case.ac),
         "parallel.dp_shard": -1,
         "parallel.ep": case.ep,
+        "parallel.cp": case.cp,
+        "parallel.cp_layout": json.dumps(case.cp_layout),
         "checkpoint.enable": "false",
         "checkpoint.load": '"none"',
         "run.tensorboard": "false",
         "run.device": '"cpu"',
         "run.dir": json.dumps(str(run_dir)),
     }
+    if case.cp > 1:
+        sets["model.max_seq_len"] = case.seq_len
     if data_path is not None:
         sets["data.path"] = json.dumps(str(data_path))
     return [f"{k}={v}" for k, v in sets.items()]
@@ -263,6 +296,7 @@ def measure_case(case: MemCase, root: Path, data_path: str | None = None, thread
         "case": case.name, "flavor": case.flavor, "layout": case.layout, "nproc": case.nproc,
         "dp": case.nproc, "ep": case.ep, "seq_len": case.seq_len,
         "micro_batch": case.micro_batch, "ac": case.ac, "steps": case.steps, "ok": False,
+        "cp": case.cp, "cp_layout": case.cp_layout,
     }  # fmt: skip
     row.update(estimate_fields(case, overrides))
     row["malloc"] = malloc
@@ -322,7 +356,8 @@ def reestimate(out: Path) -> dict[str, Any]:
     result = json.loads(out.read_text())
     for row in result["cases"]:
         case = MemCase(row["flavor"], row["nproc"], row["ep"], row["seq_len"],
-                       row["micro_batch"], row["steps"], row["ac"])  # fmt: skip
+                       row["micro_batch"], row["steps"], row["ac"], row.get("cp", 1),
+                       row.get("cp_layout", "dynamic"))  # fmt: skip
         row.update(estimate_fields(case, case_overrides(case, out.parent / case.name)))
         if "measured_mib" in row and not (row["ac"] != "off" and not row.get("ac_applied")):
             _compare(row)
@@ -373,19 +408,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def bench_memory_main(out: Path, quick: bool, modes: tuple[str, ...] = ("off",)) -> int:
+def bench_memory_main(out: Path, quick: bool, modes: tuple[str, ...] = ("off",),
+                      cp: bool = False) -> int:  # fmt: skip
     """Run every case (for each activation checkpointing mode), write JSON and a Markdown
-    table next to it; exit 1 when a case failed or missed the 20% target."""
+    table next to it; exit 1 when a case failed or missed the 20% target. `cp`: the context
+    parallelism cases instead (cp_cases), with their peak ratios."""
     import platform
 
     import torch
 
     out = Path(out)
     root = out.parent / (out.stem + "_runs")
+    if cp and set(modes) != {"off"}:
+        raise ValueError("--cp runs with --ac off only: context parallelism refuses activation "
+                         "checkpointing (docs/CONTEXT_PARALLEL.md)")  # fmt: skip
     rows = []
     for mode in modes:
-        for c in cases(quick):
-            c = MemCase(c.flavor, c.nproc, c.ep, c.seq_len, c.micro_batch, c.steps, mode)
+        for c in cp_cases(quick) if cp else cases(quick):
+            c = dataclasses.replace(c, ac=mode)
             print(f"[{c.name}] ...", flush=True)
             row = measure_case(c, root)
             if "error_pct" in row:
@@ -400,8 +440,13 @@ def bench_memory_main(out: Path, quick: bool, modes: tuple[str, ...] = ("off",))
         "built (see wanka.bench.memory); max over ranks", "target_error": TARGET_ERROR,
         "cases": rows,
     }  # fmt: skip
+    if cp:
+        result["cp_peak_ratios"] = cp_summary(rows)
     table = _write(out, result)
     print(table)
+    for r in result.get("cp_peak_ratios", []):
+        print(f"{r['case']}: measured peak {r['peak_ratio']:.2f}x {r['vs']}'s (estimate "
+              f"{r['estimate_ratio']:.2f}x); within 15%: {r['within_15pct']}")  # fmt: skip
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if all(r["ok"] for r in rows) else 1
 

@@ -177,6 +177,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("parallel.cp", f"cp={cfg.parallel.cp} does not divide data.seq_len={d.seq_len}",
                           "the contiguous layout cuts each row into cp equal chunks: pick a divisor, "
                           "or parallel.cp_layout='head_tail' / 'dynamic'")  # fmt: skip
+    if cfg.parallel.cp_max_span and cfg.parallel.cp_max_span < cfg.parallel.cp:
+        raise ConfigError("parallel.cp_max_span", f"{cfg.parallel.cp_max_span} is below parallel.cp={cfg.parallel.cp}",
+                          "use 0 (any number of ranks) or a multiple of cp")  # fmt: skip
     if cfg.parallel.cp > 1 and t.activation_checkpointing != "off":
         # Recomputation re-runs the K/V all-gather inside backward, where each rank's own graph
         # decides when: ranks could meet it in different orders. Not supported yet.

@@ -102,6 +102,11 @@ class ParallelConfig:
     # A `wanka bench cp` result whose fitted cost model the dynamic layout plans with
     # ("": the built-in estimate, with model.index_topk).
     cp_cost: str = ""
+    # dynamic only: the most ranks one document may be split over (0: 4 x cp). A step whose
+    # long documents sit in some dp groups' rows only spreads them over 2 cp, 4 cp, ... ranks
+    # (cp x 2^k dividing the world; each rank of such a block all-gathers the block's keys);
+    # cp keeps documents inside a CP group.
+    cp_max_span: int = 0
 
 
 @dataclass

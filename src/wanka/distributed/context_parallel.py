@@ -1,10 +1,11 @@
 """Context parallelism for DSA: queries stay local, keys are all-gathered over the CP group.
 
-A CP group of `cp` ranks shares the documents of one micro-batch; each rank holds a list of
+A gather block of ranks (the CP group, or a wider block of whole CP groups that a dynamic
+plan picks for one step) shares the documents of one micro-batch; each rank holds a list of
 document pieces (cp_plan.py decides which). The attention layers see a `CPLayout`:
 
-- `gather(x)`: this rank's [B, n, ...] keys, values or indexer keys, padded to the group's
-  longest local length `Lmax` and all-gathered into [B, cp * Lmax, ...]. Its backward is the
+- `gather(x)`: this rank's [B, n, ...] keys, values or indexer keys, padded to the block's
+  longest local length `Lmax` and all-gathered into [B, span * Lmax, ...]. Its backward is the
   dual collective, a reduce-scatter (sum) of the gradient: one autograd.Function, as in
   nanotron/Megatron.
 - `segments`: query ranges [q0, q1) of the local sequence, each either a run of pieces whose
@@ -18,11 +19,14 @@ RoPE positions are in-document positions, which the layout keeps global.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from wanka.distributed.cp_dynamic import DEFAULT_SPAN_FACTOR
 
 
 class _GatherPadded(torch.autograd.Function):
@@ -91,12 +95,13 @@ def shard_rows(
     plan,
     dp_rank: int,
     cp_rank: int,
-    group: dist.ProcessGroup | None,
+    groups: Mapping[int, dist.ProcessGroup | None],
     mtp_depth: int,
     sparse: bool,
 ):
     """This rank's pieces of the packed rows `rows` (a data.loader.Batch [G, L] holding every
     row the plan covers) -> (a [1, n] Batch of its tokens, the CPLayout its attention needs).
+    `groups[span]`: this rank's gather group of `span` ranks (span = cp: its CP group).
 
     Labels, positions and the tokens and labels MTP looks ahead to are read from the rows,
     so every token is trained on exactly what it would be without context parallelism."""
@@ -130,20 +135,33 @@ def shard_rows(
         keys = None if s.key_index is None else torch.from_numpy(s.key_index)
         docs = None if keys is None else torch.zeros(1, len(keys), dtype=torch.int32)
         segs.append(Segment(int(s.q0), int(s.q1), keys, docs))
-    layout = CPLayout(group, int(plan.lmax[dp_rank]), segs, bool(plan.needs_gather[dp_rank]),
-                      sparse, ahead_tokens, ahead_labels)  # fmt: skip
+    if plan.span not in groups:
+        raise RuntimeError(f"context-parallel plan gathers over {plan.span} ranks but this rank "
+                           f"has groups for spans {sorted(groups)} only")  # fmt: skip
+    block = plan.block_of(dp_rank, cp_rank)
+    layout = CPLayout(groups[plan.span], int(plan.lmax[block]), segs,
+                      bool(plan.needs_gather[block]), sparse, ahead_tokens,
+                      ahead_labels)  # fmt: skip
     return local, layout
 
 
 class CPSharder:
     """Per micro-batch: plan who holds which pieces (cp_plan.plan_step, the same on every
-    rank) and cut this rank's share out of the rows of the whole dp x cp group."""
+    rank) and cut this rank's share out of the rows of the whole dp x cp group.
 
-    def __init__(self, dp: int, cp: int, dp_rank: int, cp_rank: int, group, layout: str,
-                 mtp_depth: int, sparse: bool, cost=None) -> None:  # fmt: skip
+    `groups`: {span: this rank's gather group of span ranks}, span = cp (the CP group) and,
+    for the dynamic layout, the wider blocks it may pick (ParallelDims.gather_groups)."""
+
+    def __init__(self, dp: int, cp: int, dp_rank: int, cp_rank: int,
+                 groups: Mapping[int, dist.ProcessGroup | None], layout: str, mtp_depth: int,
+                 sparse: bool, cost=None, max_span: int | None = None) -> None:  # fmt: skip
         self.dp, self.cp, self.dp_rank, self.cp_rank = dp, cp, dp_rank, cp_rank
-        self.group, self.layout, self.mtp_depth, self.sparse = group, layout, mtp_depth, sparse
+        self.groups, self.layout, self.mtp_depth, self.sparse = groups, layout, mtp_depth, sparse
         self.cost = cost
+        self.groups = dict(groups) or {cp: None}  # cp = 1: nothing is ever gathered
+        # The plan may only widen to spans this rank has a group for.
+        limit = max_span or DEFAULT_SPAN_FACTOR * cp
+        self.max_span = max([s for s in self.groups if s <= limit] or [cp])
 
     def __call__(self, rows):
         """rows: a Batch with the micro-batch rows of every dp group, group g's rows at
@@ -153,6 +171,6 @@ class CPSharder:
         per_row = rows_from_doc_ids(rows.doc_ids.numpy())
         B = len(per_row) // self.dp
         by_group = [per_row[g * B : (g + 1) * B] for g in range(self.dp)]
-        plan = plan_step(by_group, self.cp, self.layout, self.cost)
-        return shard_rows(rows, plan, self.dp_rank, self.cp_rank, self.group, self.mtp_depth,
+        plan = plan_step(by_group, self.cp, self.layout, self.cost, max_span=self.max_span)
+        return shard_rows(rows, plan, self.dp_rank, self.cp_rank, self.groups, self.mtp_depth,
                           self.sparse)  # fmt: skip

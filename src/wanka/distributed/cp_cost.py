@@ -13,6 +13,14 @@ over its in-document positions p (causal attention: the query at p sees p + 1 ke
   warm-up stage) is too. Both prefix terms are kept and ``fit`` decides their weights from
   measurements, rather than us guessing how much of the indexer cost hides behind the rest.
 
+``gather`` is not a piece's cost but a step's: seconds per token of a rank's gathered K/V
+buffer (the all-gather forward and reduce-scatter backward, every layer). A plan that
+splits documents over a block of ``span`` ranks pays about ``gather * span * lmax``; the
+dynamic planner only widens the block when the compute it saves is larger. Default: 384 bf16
+values per token per layer (MQA K and V of 128, indexer keys of 128), 48 layers, both
+directions, at ~50 GB/s; the CPU bench does not measure it (its gloo gather is not in the
+ranks' compute), so fitted models keep this estimate.
+
 The defaults are a FLOP estimate of the production shape (x25-293b: ~30B active parameters,
 48 layers of 64 x 128 MQA heads, indexers of 64 x 128 on every 4th layer, topk 2048) on one
 ~1 PFLOP/s bf16 accelerator at assumed efficiencies (GEMMs 40%, gather-bound sparse
@@ -48,10 +56,11 @@ class CostModel:
     sparse: float = 4.8e-8  # 3 * 48 layers * 4 * 64 * 128 FLOP / (0.1 * 1e15)
     dense: float = 8e-10  # 12 indexer layers * 2 * 64 * 128 FLOP / (0.25 * 1e15)
     topk: int = 2048
+    gather: float = 1.5e-6  # 2 * 48 * 384 * 2 bytes / 50e9 bytes/s
 
     def __post_init__(self) -> None:
         coefs = (self.linear, self.sparse, self.dense)
-        if min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1:
+        if min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1 or self.gather < 0:
             raise ValueError(f"cost model needs non-negative, not all zero coefficients: {self}")
 
     def terms(
@@ -112,7 +121,8 @@ def load_cost(path: Path | str, what: str = "--cost") -> CostModel:
     try:
         doc = json.loads(Path(path).read_text())
         fields = doc.get("cost_model", doc)
-        return CostModel(**{k: fields[k] for k in ("linear", "sparse", "dense", "topk")})
+        extra = {"gather": fields["gather"]} if "gather" in fields else {}
+        return CostModel(**{k: fields[k] for k in ("linear", "sparse", "dense", "topk")}, **extra)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {path}: no such file") from None
     except OSError as e:

@@ -9,11 +9,18 @@ within each dp group's own rows; the plan with the lower maximum is kept (``assi
 1. Documents are taken largest cost first. One stays whole on the least-loaded rank that has
    token room (any rank of any dp group) when that keeps the rank within
    ``(1 + tolerance) * mean`` cost: a whole document needs no key/value exchange.
-2. Otherwise it is split over the cp ranks of ONE CP group: the group whose ranks it can be
-   water-filled onto at the lowest level, preferring groups that already exchange keys (so
-   the others can skip the all-gather). Each rank's token share is proportional to its
+2. Otherwise it is split over the ranks of ONE block of ``span`` ranks (a CP group at first):
+   the block whose ranks it can be water-filled onto at the lowest level, preferring blocks
+   that already exchange keys (so the others can skip the all-gather). Each rank's token share is proportional to its
    cost share and is cut head-tail (a front chunk and the mirrored back chunk), so the share's
    cost is close to the document's average cost per token whatever its size.
+
+3. When the busiest rank is still more than 2% above the mean and some document costs more
+   than the mean even spread over a CP group (e.g. a long document in one dp group's rows,
+   short ones in the others'), the plan is redone with blocks of 2 cp,
+   4 cp, ... ranks (up to ``max_span``, default 4 cp); a wider plan is kept when its modelled
+   step (including the bigger gather) is 1% or more below the best narrower one: the gather
+   group is chosen per step (``span``).
 
 The maximum lands near ``(1 + tolerance) * mean`` by construction: a pass that moved or
 swapped whole documents between the most and least loaded ranks afterwards gained < 0.1%
@@ -32,6 +39,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from wanka.distributed.cp_cost import CostModel
+
+# Widest gather block by default, in CP groups: each width tried costs a planning pass, and a
+# block's gather holds span x lmax tokens of keys on every rank of it.
+DEFAULT_SPAN_FACTOR = 4
 
 
 class PlanError(ValueError):
@@ -175,7 +186,8 @@ def _greedy(
             if r < 0:
                 raise PlanError(
                     f"a document of {n} tokens fits on no rank (max_tokens_per_rank="
-                    f"{max_tokens}, cp={cp}): raise max_tokens_per_rank or the slack"
+                    f"{max_tokens}, split over at most {cp} ranks): raise "
+                    "max_tokens_per_rank or the slack"
                 )
             state.keep_whole(r, doc, n, c)  # splitting would not lower the maximum
             continue
@@ -192,36 +204,78 @@ def assign_dynamic(
     cost: CostModel,
     max_tokens: int,
     tolerance: float = 0.01,
-) -> np.ndarray:
-    """Pieces [rank, doc, start, end] (int64 [P, 4]) of documents over dp x cp ranks.
+    max_span: int | None = None,
+    widen_gain: float = 0.01,
+) -> tuple[np.ndarray, int]:
+    """(pieces [rank, doc, start, end] int64 [P, 4], span) of documents over dp x cp ranks.
 
-    ``group[doc]``: the dp group whose rows hold the document (dp = max + 1). The result is
-    the better (lower max rank cost) of the world-wide greedy and the greedy run within each
-    group on its own rows. The world-wide one can move documents between groups, which wins
-    when documents are small next to a rank's share; with only a few documents per group it
-    can do worse than the loader's rows, which split tokens exactly evenly.
+    ``group[doc]``: the dp group whose rows hold the document (dp = max + 1). At span = cp
+    the result is the better (lower max rank cost) of the world-wide greedy and the greedy
+    run within each group on its own rows. The world-wide one can move documents between
+    groups, which wins when documents are small next to a rank's share; with only a few
+    documents per group it can do worse than the loader's rows, which split tokens exactly
+    evenly.
+
+    ``span``: the ranks one document may be split over, in aligned blocks of consecutive
+    global ranks (cp, 2 cp, 4 cp, ... dividing dp x cp, up to ``max_span``; default 4 cp). A
+    wider span lets a long document in one dp group's rows spread over the ranks of others
+    (a variable CP degree per step, as in Megatron's dynamic CP / ByteScale), but every rank
+    of a block then all-gathers the block's keys: a plan widens only when the modelled step
+    (the maximum rank cost plus ``cost.gather * span * lmax``) drops by ``widen_gain`` or more.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     group = np.asarray(group, dtype=np.int64)
     dp = int(group.max()) + 1
+    ranks = dp * cp
+    max_span = min(DEFAULT_SPAN_FACTOR * cp if max_span is None else int(max_span), ranks)
 
     def max_cost(p: np.ndarray) -> float:
         return float(np.bincount(p[:, 0], weights=cost.cost(p[:, 2], p[:, 3])).max())
 
-    world = _greedy(lengths, dp, cp, cost, max_tokens, tolerance)
+    def step_cost(p: np.ndarray, span: int) -> float:
+        lmax = np.bincount(p[:, 0], weights=p[:, 3] - p[:, 2]).max()
+        return max_cost(p) + cost.gather * span * float(lmax)
+
+    best = _greedy(lengths, dp, cp, cost, max_tokens, tolerance)
     doc_cost = cost.doc_cost(lengths)
+    mean = float(doc_cost.sum()) / ranks
     # No plan beats the mean or spreads a document over more than cp ranks; the per-group
     # run is only worth its time when the world-wide one is well off that bound.
-    bound = max(float(doc_cost.sum()) / (dp * cp), float(doc_cost.max()) / cp)
-    if dp == 1 or max_cost(world) <= (1 + 2 * tolerance) * bound:
-        return world
-    local = []
-    for g in range(dp):
-        mine = np.flatnonzero(group == g)
+    bound = max(mean, float(doc_cost.max()) / cp)
+    if dp > 1 and max_cost(best) > (1 + 2 * tolerance) * bound:
+        local = []
+        for g in range(dp):
+            mine = np.flatnonzero(group == g)
+            try:
+                p = _greedy(lengths[mine], 1, cp, cost, max_tokens, tolerance)
+            except PlanError:
+                local = []  # this group's own rows do not fit its ranks' budget
+                break
+            local.append(np.column_stack([p[:, 0] + g * cp, mine[p[:, 1]], p[:, 2:]]))
+        if local:
+            per_group = np.concatenate(local)
+            if max_cost(per_group) < max_cost(best):
+                best = per_group
+    span, wider = cp, 2 * cp
+    best_step = step_cost(best, span)
+    # Only a document whose cost over one CP group's ranks is above the mean needs a wider
+    # block; otherwise the plan's gap to the mean is packing granularity, which more width
+    # rarely closes, at one planning pass per width tried.
+    too_long = float(doc_cost.max()) / cp > (1 + 2 * tolerance) * mean
+    while (
+        too_long
+        and max_cost(best) > (1 + 2 * tolerance) * mean
+        and wider <= max_span
+        and ranks % wider == 0
+    ):
+        # Blocks of 2 cp may not pair a heavy group with a light one where 4 cp would: try
+        # every width, keep a wider one only for a real gain over the best so far.
         try:
-            p = _greedy(lengths[mine], 1, cp, cost, max_tokens, tolerance)
-        except PlanError:
-            return world  # this group's own rows do not fit its ranks' budget
-        local.append(np.column_stack([p[:, 0] + g * cp, mine[p[:, 1]], p[:, 2:]]))
-    per_group = np.concatenate(local)
-    return per_group if max_cost(per_group) < max_cost(world) else world
+            wide = _greedy(lengths, ranks // wider, wider, cost, max_tokens, tolerance)
+        except PlanError:  # no room this way (tight budgets): the narrower plan stands
+            wider *= 2
+            continue
+        if step_cost(wide, wider) <= (1 - widen_gain) * best_step:
+            best, span, best_step = wide, wider, step_cost(wide, wider)
+        wider *= 2
+    return best, span

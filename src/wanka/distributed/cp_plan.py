@@ -1,10 +1,12 @@
 """Context-parallel (CP) plans: who holds which tokens, and which keys each query piece needs.
 
-The world is dp x cp ranks (global rank = dp_rank * cp + cp_rank). The cp ranks of one CP
-group share long sequences: each holds a slice of the queries as a list of document
-*pieces*, and the keys/values of the group are all-gathered with every rank's local tokens
-padded to ``lmax`` of the group, so token j of cp-rank r sits at ``r * lmax + j`` of the
-gathered buffer.
+The world is dp x cp ranks (global rank = dp_rank * cp + cp_rank). The ranks of one *gather
+block* share long sequences: each holds a slice of the queries as a list of document
+*pieces*, and the keys/values of the block are all-gathered with every rank's local tokens
+padded to ``lmax`` of the block, so token j of the block's r-th rank sits at ``r * lmax + j``
+of the gathered buffer. A block is ``span`` consecutive global ranks: the CP group
+(span = cp) for contiguous and head_tail; for dynamic the plan may pick 2 cp, 4 cp, ... in a
+step whose long documents sit in some dp groups' rows only (``cp_dynamic``).
 
 Input, per step: for each dp group its rows, each row the lengths of its document fragments
 (runs of equal ``doc_ids`` of the packed loader). Fragments are the documents here, numbered
@@ -35,6 +37,7 @@ from wanka.distributed.cp_cost import CostModel
 from wanka.distributed.cp_dynamic import PlanError, assign_dynamic
 
 LAYOUTS = ("contiguous", "head_tail", "dynamic")
+DEFAULT_SLACK = 0.10  # dynamic: a rank may hold this much more than the mean tokens (memory)
 
 __all__ = [
     "LAYOUTS", "CPPlan", "CostModel", "Piece", "PlanError", "RankLayout", "Segment",
@@ -85,14 +88,15 @@ class CPPlan:
     layout: str
     dp: int
     cp: int
+    span: int  # ranks per gather block (a multiple of cp dividing dp * cp)
     doc_table: np.ndarray  # [docs, 3] int64: (source row, start offset in row, length)
     piece_rank: np.ndarray  # [P] global rank
     piece_doc: np.ndarray
     piece_start: np.ndarray
     piece_end: np.ndarray
     piece_q0: np.ndarray  # local offset of each piece on its rank
-    lmax: np.ndarray  # [dp] longest local length per CP group
-    needs_gather: np.ndarray  # [dp] bool: some rank of the group attends remote keys
+    lmax: np.ndarray  # [dp * cp / span] longest local length per gather block
+    needs_gather: np.ndarray  # [blocks] bool: some rank of the block attends remote keys
     run_cap: int
     _cache: dict[int, RankLayout] = field(default_factory=dict, repr=False)
     _by_doc: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
@@ -104,6 +108,10 @@ class CPPlan:
     def tokens_per_rank(self) -> np.ndarray:
         lengths = self.piece_end - self.piece_start
         return np.bincount(self.piece_rank, weights=lengths, minlength=self.ranks).astype(np.int64)
+
+    def block_of(self, dp_rank: int, cp_rank: int) -> int:
+        """The gather block of a rank (index into ``lmax`` and ``needs_gather``)."""
+        return (dp_rank * self.cp + cp_rank) // self.span
 
     def rank_costs(self, cost: CostModel) -> np.ndarray:
         w = cost.cost(self.piece_start, self.piece_end)
@@ -195,7 +203,9 @@ def _head_tail(docs: _Docs, cp: int) -> np.ndarray:
     return out[out[:, 3] > out[:, 2]]
 
 
-def _finalize(layout: str, docs: _Docs, cp: int, pieces: np.ndarray, run_cap: int) -> CPPlan:
+def _finalize(
+    layout: str, docs: _Docs, cp: int, pieces: np.ndarray, run_cap: int, span: int
+) -> CPPlan:
     """Merge touching pieces of a document on one rank, order them locally, size the gather."""
     rank, doc, start, end = pieces[pieces[:, 3] > pieces[:, 2]].T
     o = np.lexsort((start, doc, rank))
@@ -217,8 +227,8 @@ def _finalize(layout: str, docs: _Docs, cp: int, pieces: np.ndarray, run_cap: in
     remote = np.bincount(rank, weights=start > 0, minlength=ranks) > 0
     doc_table = np.stack([docs.row, docs.offset, docs.lengths], axis=1)
     return CPPlan(
-        layout, docs.dp, cp, doc_table, rank, doc, start, end, q0,
-        tokens.reshape(docs.dp, cp).max(axis=1), remote.reshape(docs.dp, cp).any(axis=1), run_cap,
+        layout, docs.dp, cp, span, doc_table, rank, doc, start, end, q0,
+        tokens.reshape(-1, span).max(axis=1), remote.reshape(-1, span).any(axis=1), run_cap,
     )  # fmt: skip
 
 
@@ -244,15 +254,15 @@ def _build_layout(plan: CPPlan, dp_rank: int, cp_rank: int) -> RankLayout:
         if s == 0:
             run = [q, q1]
         else:
-            segments.append(Segment(q, q1, _key_index(plan, dp_rank, d, e)))
+            segments.append(Segment(q, q1, _key_index(plan, rank // plan.span, d, e)))
     if run is not None:
         segments.append(Segment(*run))
     pieces = [Piece(*p) for p in zip(doc.tolist(), start.tolist(), end.tolist())]
     return RankLayout(dp_rank, cp_rank, pieces, segments, doc_of_token, pos_of_token)
 
 
-def _key_index(plan: CPPlan, dp_rank: int, doc: int, end: int) -> np.ndarray:
-    """Gathered-buffer slots of document ``doc``'s positions [0, end) in its CP group."""
+def _key_index(plan: CPPlan, block: int, doc: int, end: int) -> np.ndarray:
+    """Gathered-buffer slots of document ``doc``'s positions [0, end) in its gather block."""
     if plan._by_doc is None:  # pieces sorted by (doc, start), built once per plan
         order = np.lexsort((plan.piece_start, plan.piece_doc))
         plan._by_doc = (
@@ -262,10 +272,10 @@ def _key_index(plan: CPPlan, dp_rank: int, doc: int, end: int) -> np.ndarray:
     order, ptr = plan._by_doc
     sel = order[ptr[doc] : ptr[doc + 1]]
     sel = sel[plan.piece_start[sel] < end]
-    cp_rank = plan.piece_rank[sel] - dp_rank * plan.cp
-    if np.any((cp_rank < 0) | (cp_rank >= plan.cp)):
-        raise PlanError(f"document {doc} is split across CP groups")
-    base = cp_rank * plan.lmax[dp_rank] + plan.piece_q0[sel] - plan.piece_start[sel]
+    member = plan.piece_rank[sel] - block * plan.span
+    if np.any((member < 0) | (member >= plan.span)):
+        raise PlanError(f"document {doc} is split across gather blocks")
+    base = member * plan.lmax[block] + plan.piece_q0[sel] - plan.piece_start[sel]
     return np.concatenate(
         [b + np.arange(s, min(e, end)) for b, s, e in
          zip(base.tolist(), plan.piece_start[sel].tolist(), plan.piece_end[sel].tolist())]
@@ -279,19 +289,22 @@ def plan_step(
     cost: CostModel | None = None,
     *,
     tolerance: float = 0.01,
-    slack: float = 0.25,
+    slack: float = DEFAULT_SLACK,
     max_tokens_per_rank: int | None = None,
     run_cap: int | None = None,
+    max_span: int | None = None,
 ) -> CPPlan:
     """Plan one step. ``rows[dp_rank][row]`` = fragment lengths of that row.
 
     dynamic only: ``tolerance`` on max/mean cost before a document is split; a rank never
-    holds more than ``max_tokens_per_rank`` tokens (default ceil(tokens / ranks) * (1 + slack)).
+    holds more than ``max_tokens_per_rank`` tokens (default ceil(tokens / ranks) * (1 + slack));
+    a document is split over at most ``max_span`` ranks (default dp x cp; at least cp).
     """
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp}")
     docs = _parse(rows)
     cap = int(run_cap or docs.row_len.max())
+    span = cp
     if layout == "contiguous":
         pieces = _contiguous(docs, cp)
     elif layout == "head_tail":
@@ -307,7 +320,20 @@ def plan_step(
                 f"{docs.lengths.sum() / ranks:.0f} tokens per rank"
             )
         group = docs.row_dp[docs.row]
-        pieces = assign_dynamic(docs.lengths, group, cp, cost or CostModel(), budget, tolerance)
+        if max_span is not None and max_span < cp:
+            raise ValueError(f"max_span={max_span} must be at least cp={cp}")
+        try:
+            pieces, span = assign_dynamic(
+                docs.lengths, group, cp, cost or CostModel(), budget, tolerance, max_span
+            )
+        except PlanError:
+            # The greedy left no rank with room for a document (a tight budget). Head-tail over
+            # each group's own rows keeps every rank near the mean: use it if it fits.
+            pieces = _head_tail(docs, cp)
+            held = np.bincount(pieces[:, 0], weights=pieces[:, 3] - pieces[:, 2], minlength=ranks)
+            if held.max() > budget:
+                raise
+
     else:
         raise ValueError(f"unknown CP layout {layout!r}; choose from {', '.join(LAYOUTS)}")
-    return _finalize(layout, docs, cp, pieces, cap)
+    return _finalize(layout, docs, cp, pieces, cap, span)

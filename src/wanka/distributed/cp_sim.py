@@ -55,7 +55,7 @@ def simulate(
     lengths = lengths[lengths > 0]
     dp = ranks // cp
     rng = np.random.default_rng(seed)
-    max_cost, mean_cost, bound, gather, lmax_ratio = [], [], [], [], []
+    max_cost, mean_cost, bound, gather, lmax_ratio, spans = [], [], [], [], [], []
     for _ in range(steps):
         rows = draw_rows(rng, lengths, dp * rows_per_group, seq_len)
         groups = [rows[g * rows_per_group : (g + 1) * rows_per_group] for g in range(dp)]
@@ -63,9 +63,11 @@ def simulate(
         c = plan.rank_costs(cost)
         max_cost.append(float(c.max()))
         mean_cost.append(float(c.mean()))
-        # No layout beats the mean, nor spreads one document over more than cp ranks.
+        # No plan beats the mean; one that keeps each document inside a CP group (contiguous,
+        # head_tail, dynamic at span cp) cannot beat the largest document spread over cp ranks.
         biggest = float(cost.doc_cost(plan.doc_table[:, 2]).max()) / cp
         bound.append(max(float(c.mean()), biggest))
+        spans.append(plan.span)
         gather.append(float(plan.needs_gather.mean()))
         lmax_ratio.append(float(plan.lmax.max() / plan.tokens_per_rank().mean()))
     tokens = steps * dp * rows_per_group * seq_len
@@ -84,6 +86,7 @@ def simulate(
         "throughput": tokens / sum(max_cost),
         "efficiency": sum(mean_cost) / sum(max_cost),
         "bound_imbalance": float(np.mean(np.array(bound) / np.array(mean_cost))),
+        "mean_span": float(np.mean(spans)),  # ranks per gather block (cp unless widened)
         "gather_fraction": float(np.mean(gather)),  # CP groups that must all-gather keys
         "lmax_over_mean_tokens": float(np.max(lmax_ratio)),  # gather padding / memory peak
     }

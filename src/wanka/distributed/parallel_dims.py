@@ -26,6 +26,7 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _gather: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def resolve(cls, dp_shard: int, ep: int, world_size: int, cp: int = 1) -> ParallelDims:
@@ -74,6 +75,16 @@ class ParallelDims:
         flat = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("fsdp",))
         batch = flat._unflatten("fsdp", (self.dp_shard, self.cp), ("dp", "cp"))
         experts = flat._unflatten("fsdp", (self.dp_mod_ep, self.ep), ("dp_mod_ep", "ep"))
+        # Gather blocks of 2 cp, 4 cp, ... consecutive ranks that a dynamic CP plan may pick
+        # for a step (cp_plan); created up front because every rank must create every group.
+        self._gather = {self.cp: batch["cp"].get_group()} if self.cp_enabled else {}
+        span = 2 * self.cp
+        while self.cp_enabled and span <= self.world_size and self.world_size % span == 0:
+            # Its own group even at span = world: FSDP's collectives use the flat one.
+            blocks = flat._unflatten("fsdp", (self.world_size // span, span),
+                                     (f"gather{span}_blocks", f"gather{span}"))  # fmt: skip
+            self._gather[span] = blocks[f"gather{span}"].get_group()
+            span *= 2
         self._meshes = {
             "world": flat,
             "fsdp": flat,
@@ -82,6 +93,13 @@ class ParallelDims:
             "ep": experts["ep"],
             "dp_mod_ep": experts["dp_mod_ep"],
         }
+
+    def gather_groups(self) -> dict:
+        """{span: this rank's process group of the aligned block of span consecutive ranks}
+        for span = cp, 2 cp, 4 cp, ... dividing the world (empty without CP)."""
+        if not self._meshes:
+            raise RuntimeError("ParallelDims.build_meshes() has not been called")
+        return dict(self._gather)
 
     def mesh(self, name: str) -> DeviceMesh:
         if not self._meshes:

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from wanka.config.schema import ModelConfig
+from wanka.distributed.cp_dynamic import DEFAULT_SPAN_FACTOR as CP_SPAN_FACTOR
+from wanka.distributed.cp_plan import DEFAULT_SLACK as CP_SLACK
 from wanka.models.transformer import Transformer
 
 GIB = 1024**3
@@ -100,6 +102,18 @@ class MemorySettings:
     activation_checkpointing: str = "off"
     device_type: str = "cuda"
     phase: str = "sparse"
+    # Context parallelism: cp ranks share each sequence; a rank holds at most `cp_tokens`
+    # tokens (0: micro_batch x seq_len / cp) and gathers keys over `cp_span` ranks (0: cp).
+    cp: int = 1
+    cp_tokens: int = 0
+    cp_span: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one rank runs through the model per micro-batch."""
+        if self.cp == 1:
+            return self.micro_batch_size * self.seq_len
+        return self.cp_tokens or -(-self.micro_batch_size * self.seq_len // self.cp)
 
     def __post_init__(self) -> None:
         for name in ("compute_dtype", "reduce_dtype", "master_dtype"):
@@ -111,13 +125,17 @@ class MemorySettings:
             raise ValueError(f"phase must be one of {PHASES}")
         if self.dp_shard < 1 or self.ep < 1 or self.dp_shard % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard={self.dp_shard}")
+        if self.cp < 1 or self.dp_shard % self.cp:
+            raise ValueError(f"parallel.cp={self.cp} must divide the ranks {self.dp_shard}")
 
     def describe(self) -> str:
         return (f"dp_shard={self.dp_shard} x ep={self.ep}, seq_len={self.seq_len}, "
                 f"micro_batch={self.micro_batch_size}, {self.master_dtype} master params/grads/"
                 f"AdamW, {self.compute_dtype} compute copies and activations, "
                 f"{self.reduce_dtype} grad reduce, activation checkpointing "
-                f"{self.activation_checkpointing}, {self.device_type}, {self.phase} phase")  # fmt: skip
+                f"{self.activation_checkpointing}, {self.device_type}, {self.phase} phase"
+                + (f", cp={self.cp} ({self.tokens} tokens per rank, gather over "
+                   f"{self.cp_span or self.cp} ranks)" if self.cp > 1 else ""))  # fmt: skip
 
 
 @dataclass
@@ -247,7 +265,7 @@ def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe:
       ffn           SwiGLU (dense layers and shared experts): 4 [T, hidden]
     """
     c = DTYPE_BYTES[s.compute_dtype]
-    T, L = s.micro_batch_size * s.seq_len, s.seq_len
+    T, L = s.tokens, s.seq_len
     D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
     Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
     sparse = L > K and s.phase == "sparse"
@@ -257,6 +275,11 @@ def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe:
         "attention": T * 2 * Dh * c + T * (H + 1) * Dh * c + 2 * T * Dh * 4
         + T * H * Dh * c + T * H * 4,
     }  # fmt: skip
+    if s.cp > 1:
+        # Segments that read their document's prefix from the gathered buffer keep a copy of
+        # those keys (attention K and V, indexer keys) for backward: about a whole sequence
+        # per rank (head-tail: chunks r and 2cp-1-r read (2cp+1)/2cp of each document).
+        out["attention"] += s.micro_batch_size * L * (2 * Dh + (Di if has_indexer else 0)) * c
     if has_indexer:
         proj = T * Hi * Di * c + T * Di * c + T * Hi * c  # q, k, w
         ln_rope = T * Di * c + 2 * T * 4 + 2 * T * Di * 4  # LN input, mean/rstd, rope rows
@@ -307,7 +330,7 @@ def _block_workspace(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_
     hiddens, 3 [R, Hx]), attention (dq and the wo input gradient [T, H, Dh], fp32 dk/dv), the
     indexer (dq, dk, dw and the backward tile), a dense FFN (4 [T, hidden])."""
     c = DTYPE_BYTES[s.compute_dtype]
-    T, L = s.micro_batch_size * s.seq_len, s.seq_len
+    T, L = s.tokens, s.seq_len
     D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
     Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
     sparse = L > K and s.phase == "sparse"
@@ -328,6 +351,13 @@ def _block_workspace(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_
         else:  # indexer_kl: [C, max(H, Hi), span] logits per block of queries
             C = max(1, min(L, _OPS_CHUNK_ELEMS // max(1, max(H, Hi) * L)))
             fwd.append(C * L * (max(H, Hi) * 4 * 2 + Hi * c))
+    if s.cp > 1:
+        # The all-gather of K, V and indexer keys: the padded local copy and the gathered
+        # buffer forward; backward, its gradient and the reduce-scatter's contiguous input.
+        width = 2 * Dh + (Di if has_indexer else 0)
+        g = (s.cp_span or s.cp) * T * width * c
+        fwd.append(g + T * width * c)
+        bwd.append(2 * g)
     if is_moe:
         R = T * cfg.n_active_experts
         fwd.append(2 * R * D * c + (R * D * c if s.ep > 1 else 0))
@@ -347,7 +377,7 @@ def _head_saved(cfg: ModelConfig, s: MemorySettings) -> tuple[float, float, floa
     which saves nothing), the cat [T, 2D] (saved by proj). After the block: the output norm
     (input too in fp32) and the labels."""
     c = DTYPE_BYTES[s.compute_dtype]
-    T, D = s.micro_batch_size * s.seq_len, cfg.dim
+    T, D = s.tokens, cfg.dim
     norm_in = T * D * c if c == 4 else 0
     main = 2 * T * 8 + _norm_saved(T, D, c) + norm_in
     half_norm = T * D * (c + (4 if c != 4 else 0)) + T * 4  # y (+ fp32 copy) and rsqrt
@@ -377,7 +407,7 @@ def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
     dp, ep = s.dp_shard, s.ep
     if cfg.n_experts % ep:
         raise ValueError(f"parallel.ep={ep} must divide model.n_experts={cfg.n_experts}")
-    T, V, D = s.micro_batch_size * s.seq_len, cfg.vocab_size, cfg.dim
+    T, V, D = s.tokens, cfg.vocab_size, cfg.dim
     root, blocks, buffers, largest = _units(cfg, ep)
     shard = [_sharded(u, dp, ep) * mb for u in blocks]
     total_shard = _sharded(root, dp, ep) + sum(_sharded(u, dp, ep) for u in blocks)
@@ -427,6 +457,15 @@ def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
         m.update(parts)
         moments[name] = m
 
+    def held(j: int) -> float:
+        """Under CP blocks stay unsharded from their forward to their backward
+        (parallelize: reshard_after_forward=False): those of segments before j."""
+        return (
+            sum(gathered(blocks[x.unit]) for x in segs[:j] if x.unit is not None)
+            if s.cp > 1
+            else 0.0
+        )
+
     def before(j: int) -> tuple[float, float, float]:
         return (sum(x.kept for x in segs[:j]), sum(x.indices for x in segs[:j]),
                 sum(x.logp for x in segs[:j]))  # fmt: skip
@@ -437,7 +476,7 @@ def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
         acts, idx, lp = before(j)
         # its copies, and its all-gather output (kept until the next block's copy-out)
         unit = gathered(blocks[g.unit], 1, 1) if g.unit is not None else 0
-        moment(f"forward {g.name}", gathered_params=root_g + unit,
+        moment(f"forward {g.name}", gathered_params=root_g + unit + held(j),
                activations=acts + (g.full if ac == "off" or g.unit is None else g.kept),
                topk_indices=idx + g.indices, logits=lp + g.logp, workspace=g.ws[0])  # fmt: skip
     # Backward, in reverse: the segment's saved tensors (recomputed under checkpointing), the
@@ -451,7 +490,7 @@ def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
         g = segs[j]
         acts, idx, lp = before(j)
         if g.unit is None:
-            moment(f"backward {g.name}", gathered_params=root_g, grads=grads_done,
+            moment(f"backward {g.name}", gathered_params=root_g + held(j), grads=grads_done,
                    unsharded_grads=root_grads, activations=acts + g.full,
                    topk_indices=idx + g.indices, logits=lp + g.logp + (g.ws[1] if g.logp else 0),
                    workspace=0 if g.logp else g.ws[1])  # fmt: skip
@@ -459,15 +498,18 @@ def memory_breakdown(cfg: ModelConfig, s: MemorySettings) -> MemoryEstimate:
         k = unit_order.index(g.unit)
         # the next block's prefetched all-gather output (copied out when its backward starts)
         nxt = gathered(blocks[unit_order[k + 1]], 0, 1) if k + 1 < len(unit_order) else 0
+        nxt = 0 if s.cp > 1 else nxt  # under CP the earlier blocks are still unsharded
         u = blocks[g.unit]
         own = gathered(u)
         ffn_share = u.ffn_numel / max(1, sum(map(_numel, u.shapes + u.expert_shapes)))
-        moment(f"backward {g.name}", gathered_params=root_g + own + nxt, grads=grads_done,
+        moment(f"backward {g.name}", gathered_params=root_g + own + nxt + held(j),
+               grads=grads_done,
                unsharded_grads=root_grads + own * ffn_share, activations=acts + g.full,
                topk_indices=idx + g.indices + g.recompute_indices, logits=lp,
                workspace=g.ws[1])  # fmt: skip
         # After it: its unsharded grads are copied into the reduce-scatter input (reduce dtype)
-        moment(f"reduce-scatter {g.name}", gathered_params=root_g + nxt, grads=grads_done,
+        moment(f"reduce-scatter {g.name}", gathered_params=root_g + nxt + held(j),
+               grads=grads_done,
                unsharded_grads=root_grads + own + own / c * r, activations=acts,
                topk_indices=idx, logits=lp)  # fmt: skip
         grads_done += shard[g.unit]
@@ -538,9 +580,21 @@ def settings_for_job(cfg, world_size: int, device_type: str) -> list[MemorySetti
     from wanka.device import autocast_dtype
 
     t = cfg.train
-    dp = world_size if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard
+    # FSDP shards over every rank of dp x cp (ParallelDims' "fsdp" mesh).
+    dp = world_size if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard * cfg.parallel.cp
     amp = autocast_dtype(device_type, t.mixed_precision)
+    cp = cfg.parallel.cp
+    cp_tokens = 0
+    if cp > 1 and cfg.parallel.cp_layout == "dynamic":  # cp_plan.plan_step's token budget
+        per_rank = -(-t.micro_batch_size * cfg.data.seq_len // cp)
+        cp_tokens = math.ceil(per_rank * (1 + CP_SLACK))  # the most any rank may hold
+    span = cp  # the widest gather block the plans may pick (cp_dynamic.assign_dynamic)
+    if cp > 1 and cfg.parallel.cp_layout == "dynamic":
+        limit = min(cfg.parallel.cp_max_span or CP_SPAN_FACTOR * cp, world_size)
+        while 2 * span <= limit and world_size % (2 * span) == 0:
+            span *= 2
     base = MemorySettings(
+        cp=cp, cp_tokens=cp_tokens, cp_span=span,
         dp_shard=dp, ep=cfg.parallel.ep, seq_len=cfg.data.seq_len,
         micro_batch_size=t.micro_batch_size, compute_dtype="fp32" if amp is None else "bf16",
         reduce_dtype=t.reduce_dtype, activation_checkpointing=t.activation_checkpointing,

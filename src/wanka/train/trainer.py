@@ -105,9 +105,9 @@ def setup(cfg: JobConfig) -> Job:
     if dims.cp_enabled:  # every rank loads the rows of all dp groups; the plan splits them
         rows, load_rank, load_ranks = rows * dims.dp_shard, 0, 1
         cp_shard = CPSharder(dims.dp_shard, dims.cp, dp_rank, dims.mesh("cp").get_local_rank(),
-                             dims.mesh("cp").get_group(), cfg.parallel.cp_layout,
-                             cfg.model.mtp_depth, cfg.data.seq_len > cfg.model.index_topk,
-                             _cp_cost(cfg))  # fmt: skip
+                             dims.gather_groups(), cfg.parallel.cp_layout, cfg.model.mtp_depth,
+                             cfg.data.seq_len > cfg.model.index_topk, _cp_cost(cfg),
+                             cfg.parallel.cp_max_span or None)  # fmt: skip
     loader = PackedLoader(train_ds, cfg.data.seq_len, rows, load_rank, load_ranks, cfg.train.seed)
     val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len, rows,
                              cfg.data.val_batches, load_rank, load_ranks)  # fmt: skip
