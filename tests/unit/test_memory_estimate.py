@@ -279,6 +279,24 @@ def test_model_reports_at_the_config_sequence_length(capsys):
     assert 20 < total < 200, out
 
 
+def test_model_with_cp_matches_the_jobs_estimate(capsys):
+    """`wanka model --cp` reports what the pre-flight would for that job: FSDP over dp x cp,
+    the dynamic layout's token budget, its widest gather block."""
+    sets = ["--set", "model.max_seq_len=16384", "--seq-len", "16384", "--micro-batch", "1"]
+    rc, out, _ = run_model(capsys, "tiny", "--dp", "2", "--cp", "4", "--device", "cpu", *sets)
+    assert rc == 0 and "context parallel: cp 4 (dynamic): 8 accelerators" in out
+    total = float(next(x for x in out.splitlines() if x.strip().startswith("total")).split()[1])
+    cfg = load_config(None, ['model.flavor="tiny"', "model.max_seq_len=16384",
+                             "data.seq_len=16384", "train.micro_batch_size=1",
+                             "parallel.cp=4", "parallel.dp_shard=2"])  # fmt: skip
+    assert total == pytest.approx(job_memory(cfg, 8, "cpu").train_peak / 2**30, abs=0.006)
+    rc, out, _ = run_model(capsys, "tiny", "--dp", "2", "--device", "cpu", *sets)
+    plain = float(next(x for x in out.splitlines() if x.strip().startswith("total")).split()[1])
+    assert total < plain / 2  # a quarter of each sequence per rank
+    rc, _, err = run_model(capsys, "tiny", "--cp", "2", "--ac", "full")
+    assert rc == 2 and "--ac off" in err
+
+
 # ------------------------------------------------------------------------------ pre-flight
 
 

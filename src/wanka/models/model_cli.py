@@ -45,6 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel shards (default: parallel.dp_shard; -1 there: ep)")  # fmt: skip
     p.add_argument("--ep", type=int, default=None, help="expert parallel (default: parallel.ep)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context parallel: ranks per sequence, on top of --dp (default: "
+                        "parallel.cp; layout parallel.cp_layout)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=None, help="default: data.seq_len")
     p.add_argument("--micro-batch", type=int, default=None,
                    help="sequences per rank per micro-batch (default: train.micro_batch_size)")  # fmt: skip
@@ -108,14 +111,18 @@ def resolve(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
         src.append(f"layout: dp_shard {dp} x ep {ep}")
     src.append(f"seq_len {seq} ({s_seq}), micro-batch {mb} ({s_mb}), device {dev} ({s_dev}), "
                f"mixed_precision {mp} ({s_mp}), activation checkpointing {ac} ({s_ac})")  # fmt: skip
-    return dict(dp=dp, ep=ep, seq_len=seq, micro_batch=mb, mixed_precision=mp, ac=ac,
+    cp = args.cp if args.cp is not None else par.cp
+    if cp > 1:
+        src.append(f"context parallel: cp {cp} ({par.cp_layout}): {dp * cp} accelerators, each "
+                   f"holding its share of every sequence")  # fmt: skip
+    return dict(dp=dp, ep=ep, cp=cp, seq_len=seq, micro_batch=mb, mixed_precision=mp, ac=ac,
                 device=dev, reduce_dtype=t.reduce_dtype), src  # fmt: skip
 
 
 def model_main(args: argparse.Namespace) -> int:
     from wanka.config import ConfigError, load_config
     from wanka.device import autocast_dtype
-    from wanka.models.stats import MemorySettings, count_params, memory_breakdown
+    from wanka.models.stats import MemorySettings, count_params, cp_limits, memory_breakdown
 
     overrides = list(args.set)
     if args.flavor:
@@ -137,8 +144,17 @@ def model_main(args: argparse.Namespace) -> int:
                      "from data parallelism)")  # fmt: skip
     if lay["seq_len"] < 1 or lay["micro_batch"] < 1:
         return _fail("--seq-len and --micro-batch must be positive")
+    cp = lay["cp"]
+    if cp < 1:
+        return _fail(f"--cp {cp} must be positive (1 = no context parallelism)")
+    if cp > 1 and lay["ac"] != "off":
+        return _fail("context parallelism (--cp > 1) runs without activation checkpointing: "
+                     "add --ac off")  # fmt: skip
+    cp_tokens, span = cp_limits(cp, cfg.parallel.cp_layout, cfg.parallel.cp_max_span, dp * cp,
+                                lay["micro_batch"] * lay["seq_len"])  # fmt: skip
     compute = autocast_dtype(lay["device"], lay["mixed_precision"])
-    s = MemorySettings(dp_shard=dp, ep=ep, seq_len=lay["seq_len"],
+    s = MemorySettings(dp_shard=dp * cp, ep=ep, cp=cp, cp_tokens=cp_tokens, cp_span=span,
+                       seq_len=lay["seq_len"],
                        micro_batch_size=lay["micro_batch"],
                        compute_dtype="fp32" if compute is None else "bf16",
                        reduce_dtype=lay["reduce_dtype"], activation_checkpointing=lay["ac"],

@@ -574,6 +574,19 @@ def memory_estimate(
     return out
 
 
+def cp_limits(cp: int, layout: str, max_span: int, world_size: int, tokens: int) -> tuple[int, int]:
+    """(the most tokens a rank may hold, 0 = tokens / cp; the widest gather block) of a
+    context-parallel layout over `world_size` ranks, `tokens` per micro-batch of a dp group."""
+    if cp == 1 or layout != "dynamic":
+        return 0, cp
+    cp_tokens = math.ceil(-(-tokens // cp) * (1 + CP_SLACK))  # cp_plan.plan_step's budget
+    span = cp  # the widest gather block the plans may pick (cp_dynamic.assign_dynamic)
+    limit = min(max_span or CP_SPAN_FACTOR * cp, world_size)
+    while 2 * span <= limit and world_size % (2 * span) == 0:
+        span *= 2
+    return cp_tokens, span
+
+
 def settings_for_job(cfg, world_size: int, device_type: str) -> list[MemorySettings]:
     """The settings a job (JobConfig) runs with on `world_size` ranks of `device_type`: one per
     training phase it goes through (a dense warm-up prefix, then sparse)."""
@@ -584,15 +597,8 @@ def settings_for_job(cfg, world_size: int, device_type: str) -> list[MemorySetti
     dp = world_size if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard * cfg.parallel.cp
     amp = autocast_dtype(device_type, t.mixed_precision)
     cp = cfg.parallel.cp
-    cp_tokens = 0
-    if cp > 1 and cfg.parallel.cp_layout == "dynamic":  # cp_plan.plan_step's token budget
-        per_rank = -(-t.micro_batch_size * cfg.data.seq_len // cp)
-        cp_tokens = math.ceil(per_rank * (1 + CP_SLACK))  # the most any rank may hold
-    span = cp  # the widest gather block the plans may pick (cp_dynamic.assign_dynamic)
-    if cp > 1 and cfg.parallel.cp_layout == "dynamic":
-        limit = min(cfg.parallel.cp_max_span or CP_SPAN_FACTOR * cp, world_size)
-        while 2 * span <= limit and world_size % (2 * span) == 0:
-            span *= 2
+    cp_tokens, span = cp_limits(cp, cfg.parallel.cp_layout, cfg.parallel.cp_max_span, world_size,
+                                t.micro_batch_size * cfg.data.seq_len)  # fmt: skip
     base = MemorySettings(
         cp=cp, cp_tokens=cp_tokens, cp_span=span,
         dp_shard=dp, ep=cfg.parallel.ep, seq_len=cfg.data.seq_len,
