@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from wanka.bench.comm_cli import add_bench_comm_parser
 from wanka.bench.cp_cli import add_bench_cp_parser
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
@@ -24,6 +25,15 @@ supervisor that recovers from crashed, hung and slow ranks. Runs on CUDA GPUs, A
 and the CPU. Start with `wanka train configs/demo.toml`; bad input exits 2 with one line."""
 
 
+def _smallest_world(par) -> int:
+    """The fewest ranks a ParallelConfig's degrees fit (dp_shard = -1 counts as 1)."""
+    import math
+
+    if par.dp_shard > 0:
+        return par.dp_replicate * par.dp_shard * par.cp
+    return par.dp_replicate * math.lcm(par.ep, par.cp)  # ep must divide dp_shard x cp
+
+
 def _train(args: argparse.Namespace) -> int:
     from wanka.config import load_config
     from wanka.distributed.launch import inside_torchrun
@@ -33,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
                          "to start on this node")  # fmt: skip
     cfg = load_config(args.config, args.set)
     if args.nproc is None:  # the smallest world the config's degrees fit on this node
-        args.nproc = cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else cfg.parallel.ep
+        args.nproc = _smallest_world(cfg.parallel)
     if inside_torchrun():  # a rank: the `wanka train` that launched it holds the run directory
         return _train_rank(cfg)
     from wanka.train.run_lock import job_start
@@ -66,11 +76,9 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
     try:
-        ParallelDims.resolve(
-            cfg.parallel.dp_shard, cfg.parallel.ep, args.nproc * nnodes, cfg.parallel.cp
-        )
+        ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)
     except ValueError as e:
-        fit = cfg.parallel.dp_shard if cfg.parallel.dp_shard > 0 else cfg.parallel.ep
+        fit = _smallest_world(cfg.parallel)
         raise ValueError(f"{e}; use --nproc {max(fit // nnodes, 1)} or change [parallel]") from None
     if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
         from wanka.train.trainer import check_data
@@ -144,6 +152,13 @@ def _bench_moe(args: argparse.Namespace) -> int:
     from wanka.bench.moe import bench_moe_main
 
     return bench_moe_main(Path(args.out), args.quick)
+
+
+def _bench_ep(args: argparse.Namespace) -> int:
+    from wanka.bench.comm_cases import parse_gbit
+    from wanka.bench.ep import bench_ep_main
+
+    return bench_ep_main(Path(args.out), list(parse_gbit(args.gbit)), args.quick)
 
 
 def _bench_ops(args: argparse.Namespace) -> int:
@@ -232,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(fn=_bench)
     add_bench_net_parser(b)
     add_bench_cp_parser(b)
+    add_bench_comm_parser(b)
     bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")
     bm.add_argument("--quick", action="store_true", help="tiny only, fewer cases")
     bm.add_argument(
@@ -247,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     bmo.add_argument("--quick", action="store_true", help="smaller dims")
     bmo.add_argument("--out", default="runs/bench/moe.json", help="JSON result file")
     bmo.set_defaults(fn=_bench_moe)
+    be = b.add_parser("ep", help="expert all-to-all: flat vs hierarchical vs overlapped, 2 "
+                      "nodes x 2 ranks of the cluster-in-a-box (needs root)")  # fmt: skip
+    be.add_argument("--gbit", default="1,10", help="inter-node link speeds, comma list")
+    be.add_argument("--quick", action="store_true", help="shorter rows, fewer repeats")
+    be.add_argument("--out", default="runs/bench/ep.json", help="JSON result file")
+    be.set_defaults(fn=_bench_ep)
     bo = b.add_parser("ops", help="attention operators per backend: time, memory, error, FLOP/s")
     bo.add_argument("--quick", action="store_true", help="short lengths only")
     bo.add_argument(

@@ -129,6 +129,8 @@ def validate(cfg: JobConfig) -> None:
         "data.seq_len": d.seq_len, "train.steps": t.steps,
         "train.micro_batch_size": t.micro_batch_size, "train.grad_accum": t.grad_accum,
         "parallel.ep": cfg.parallel.ep, "parallel.cp": cfg.parallel.cp,
+        "parallel.dp_replicate": cfg.parallel.dp_replicate,
+        "comm.powersgd_rank": cfg.comm.powersgd_rank, "comm.int8_block": cfg.comm.int8_block,
         "model.n_index_heads": m.n_index_heads,
         "model.expert_hidden": m.expert_hidden, "model.dense_hidden": m.dense_hidden,
         "model.max_seq_len": m.max_seq_len, "model.rope_theta": m.rope_theta,
@@ -180,6 +182,10 @@ def validate(cfg: JobConfig) -> None:
     if cfg.parallel.cp_max_span and cfg.parallel.cp_max_span < cfg.parallel.cp:
         raise ConfigError("parallel.cp_max_span", f"{cfg.parallel.cp_max_span} is below parallel.cp={cfg.parallel.cp}",
                           "use 0 (any number of ranks) or a multiple of cp")  # fmt: skip
+    if cfg.comm.grad_compression != "none" and cfg.parallel.dp_replicate == 1:
+        raise ConfigError("comm.grad_compression", f"{cfg.comm.grad_compression!r} compresses the "
+                          "all-reduce across HSDP replicas, but parallel.dp_replicate=1",
+                          "set parallel.dp_replicate (e.g. the number of nodes) or 'none'")  # fmt: skip
     if cfg.parallel.cp > 1 and t.activation_checkpointing != "off":
         # Recomputation re-runs the K/V all-gather inside backward, where each rank's own graph
         # decides when: ranks could meet it in different orders. Not supported yet.

@@ -107,6 +107,30 @@ class ParallelConfig:
     # (cp x 2^k dividing the world; each rank of such a block all-gathers the block's keys);
     # cp keeps documents inside a CP group.
     cp_max_span: int = 0
+    # HSDP: replicas of the sharded model (consecutive blocks of dp_shard x cp ranks, so with
+    # one replica per node parameters are sharded inside a node and replicated across nodes:
+    # the slow link carries one gradient all-reduce of a shard, not per-layer gathers).
+    dp_replicate: int = 1
+
+
+@dataclass
+class CommConfig:
+    """Communication options (distributed/compression.py, docs/COMMUNICATION.md)."""
+
+    # How gradients are all-reduced across HSDP replicas (parallel.dp_replicate > 1): "none"
+    # (FSDP2's own all-reduce in train.reduce_dtype), "bf16", "int8" (blockwise, with error
+    # feedback) or "powersgd" (rank-`powersgd_rank` factors, with error feedback).
+    grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
+    powersgd_rank: int = 4
+    int8_block: int = 256  # elements per int8 quantisation block (one fp32 scale each)
+    # FSDP2's parameter all-gather: "native" (param dtype) or "int8" (blockwise, ZeRO++'s
+    # qwZ: 4x fewer bytes than fp32, every rank computes with the same rounded weights).
+    param_gather: Literal["native", "int8"] = "native"
+    # Expert all-to-all: "hierarchical" aggregates per node and crosses nodes once per node
+    # pair and rail when an EP group spans nodes (same results; flat where it does not).
+    expert_a2a: Literal["flat", "hierarchical"] = "flat"
+    # Run the dispatch all-to-all asynchronously under the shared experts (flat exchange).
+    ep_overlap: bool = False
 
 
 @dataclass
@@ -159,6 +183,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)

@@ -1,11 +1,13 @@
 """Validate parallel degrees against the world size and build the device meshes once.
 
-Layout (TorchTitan-style): the world is dp_shard x cp ranks (cp innermost, so a context-parallel
-group sits inside a node and data parallelism goes across). FSDP2 shards every parameter over
-all of them (`fsdp`, the flattened dp x cp). `dp` splits the batch; `cp` splits each sequence
-(distributed/context_parallel.py). Expert parallelism borrows its ranks from dp x cp: the world
-is also viewed as (dp_mod_ep, ep), experts are split over `ep` and FSDP-sharded over
-`dp_mod_ep`.
+Layout (TorchTitan-style): the world is dp_replicate x dp_shard x cp ranks, cp innermost (a
+context-parallel group sits inside a node), replicas outermost (one replica per node or group
+of nodes). FSDP2 shards every parameter over the dp_shard x cp ranks of a replica (`shard`) and
+replicates it across replicas (`replicate`): HSDP, the 2D mesh `fsdp`; with one replica `fsdp`
+is the flat world. `dp` (= dp_replicate x dp_shard ranks) splits the batch; `cp` splits each
+sequence (distributed/context_parallel.py). Expert parallelism borrows its ranks from a
+replica's dp_shard x cp: a replica is also viewed as (dp_mod_ep, ep), experts are split over
+`ep` and FSDP-sharded over `dp_mod_ep` (and replicated across replicas).
 """
 
 from __future__ import annotations
@@ -25,40 +27,71 @@ class ParallelDims:
     ep: int
     world_size: int
     cp: int = 1
+    dp_replicate: int = 1
+    ranks_per_node: int = 0  # 0: unknown (no hierarchical expert all-to-all)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
     _gather: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def resolve(cls, dp_shard: int, ep: int, world_size: int, cp: int = 1) -> ParallelDims:
+    def resolve(cls, dp_shard: int, ep: int, world_size: int, cp: int = 1,
+                dp_replicate: int = 1) -> ParallelDims:  # fmt: skip
         if cp <= 0:
             raise ParallelError(f"parallel.cp={cp} must be positive (1 = no context parallelism)")
-        if world_size % cp != 0:
+        if dp_replicate <= 0:
             raise ParallelError(
-                f"parallel.cp={cp} must divide the world size {world_size} (launch a multiple "
-                f"of {cp} ranks with --nproc, or lower parallel.cp)"
+                f"parallel.dp_replicate={dp_replicate} must be positive (1 = no HSDP)"
+            )
+        if world_size % (cp * dp_replicate) != 0:
+            raise ParallelError(
+                f"parallel.dp_replicate={dp_replicate} x parallel.cp={cp} must divide the world "
+                f"size {world_size} (launch a multiple of {cp * dp_replicate} ranks with --nproc, "
+                "or lower them)"
             )
         if dp_shard == -1:
-            dp_shard = world_size // cp
+            dp_shard = world_size // (cp * dp_replicate)
         if dp_shard <= 0 or ep <= 0:
             raise ParallelError(
                 f"parallel.dp_shard={dp_shard} and parallel.ep={ep} must be positive"
             )
-        if dp_shard * cp != world_size:
+        if dp_replicate * dp_shard * cp != world_size:
             raise ParallelError(
-                f"parallel.dp_shard={dp_shard} x parallel.cp={cp} does not match the world size "
-                f"{world_size} (set parallel.dp_shard=-1 or launch {dp_shard * cp} ranks with "
-                "--nproc)"
+                f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} x "
+                f"parallel.cp={cp} does not match the world size {world_size} (set "
+                f"parallel.dp_shard=-1 or launch {dp_replicate * dp_shard * cp} ranks with --nproc)"
             )
-        if world_size % ep != 0:
+        replica = dp_shard * cp
+        if replica % ep != 0:
             raise ParallelError(
-                f"parallel.ep={ep} must divide parallel.dp_shard x parallel.cp = {world_size} "
-                "(expert parallelism borrows its ranks from data and context parallelism)"
+                f"parallel.ep={ep} must divide parallel.dp_shard x parallel.cp = {replica} "
+                "(expert parallelism borrows its ranks from data and context parallelism"
+                + (", inside one HSDP replica)" if dp_replicate > 1 else ")")
             )
-        return cls(dp_shard, ep, world_size, cp)
+        return cls(dp_shard, ep, world_size, cp, dp_replicate)
+
+    @classmethod
+    def from_config(cls, par, world_size: int, ranks_per_node: int = 0) -> ParallelDims:
+        """From a ParallelConfig (config/schema.py)."""
+        dims = cls.resolve(par.dp_shard, par.ep, world_size, par.cp, par.dp_replicate)
+        dims.ranks_per_node = ranks_per_node
+        return dims
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many ways the batch is split."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one HSDP replica (the ranks a parameter is sharded over)."""
+        return self.dp_shard * self.cp
 
     @property
     def dp_mod_ep(self) -> int:
-        return self.world_size // self.ep
+        return self.replica_size // self.ep
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
 
     @property
     def ep_enabled(self) -> bool:
@@ -73,8 +106,12 @@ class ParallelDims:
         if self._meshes:
             return
         flat = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("fsdp",))
-        batch = flat._unflatten("fsdp", (self.dp_shard, self.cp), ("dp", "cp"))
-        experts = flat._unflatten("fsdp", (self.dp_mod_ep, self.ep), ("dp_mod_ep", "ep"))
+        batch = flat._unflatten("fsdp", (self.dp, self.cp), ("dp", "cp"))
+        hsdp = flat._unflatten(
+            "fsdp", (self.dp_replicate, self.replica_size), ("replicate", "shard")
+        )
+        experts = flat._unflatten("fsdp", (self.dp_replicate, self.dp_mod_ep, self.ep),
+                                  ("replicate", "dp_mod_ep", "ep"))  # fmt: skip
         # Gather blocks of 2 cp, 4 cp, ... consecutive ranks that a dynamic CP plan may pick
         # for a step (cp_plan); created up front because every rank must create every group.
         self._gather = {self.cp: batch["cp"].get_group()} if self.cp_enabled else {}
@@ -85,14 +122,38 @@ class ParallelDims:
                                      (f"gather{span}_blocks", f"gather{span}"))  # fmt: skip
             self._gather[span] = blocks[f"gather{span}"].get_group()
             span *= 2
+        if self.ep_spans_nodes:  # each EP group is ep / ranks_per_node whole nodes
+            L = self.ranks_per_node
+            rails = flat._unflatten("fsdp", (self.dp_replicate, self.dp_mod_ep, self.ep // L, L),
+                                    ("replicate", "dp_mod_ep", "ep_inter", "ep_intra"))  # fmt: skip
         self._meshes = {
             "world": flat,
-            "fsdp": flat,
+            "fsdp": hsdp if self.hsdp_enabled else flat,  # 2D (replicate, shard) under HSDP
+            "shard": hsdp["shard"],
+            "replicate": hsdp["replicate"],
             "dp": batch["dp"],
             "cp": batch["cp"],
             "ep": experts["ep"],
             "dp_mod_ep": experts["dp_mod_ep"],
-        }
+            "experts_fsdp": experts["replicate", "dp_mod_ep"] if self.hsdp_enabled
+            else experts["dp_mod_ep"],
+            **({"ep_intra": rails["ep_intra"], "ep_inter": rails["ep_inter"]}
+               if self.ep_spans_nodes else {}),
+        }  # fmt: skip
+
+    @property
+    def ep_spans_nodes(self) -> bool:
+        L = self.ranks_per_node
+        return L > 0 and self.ep > L and self.ep % L == 0 and self.world_size % L == 0
+
+    def ep_hierarchy(self) -> tuple | None:
+        """(node group, rail group, ranks per node, local index) of this rank's EP group
+        when it spans nodes (distributed/hierarchical_a2a.py), else None."""
+        if not self.ep_spans_nodes:
+            return None
+        intra = self.mesh("ep_intra")
+        return (intra.get_group(), self.mesh("ep_inter").get_group(), self.ranks_per_node,
+                intra.get_local_rank())  # fmt: skip
 
     def gather_groups(self) -> dict:
         """{span: this rank's process group of the aligned block of span consecutive ranks}

@@ -12,6 +12,7 @@ from wanka.distributed.activation_checkpoint import (
     checkpointed_blocks,
 )
 from wanka.distributed.compile import apply_compile
+from wanka.distributed.compression import Int8AllGather, make_reducer, module_layout
 from wanka.distributed.expert_parallel import apply_expert_parallel
 from wanka.distributed.parallel_dims import ParallelDims
 
@@ -41,6 +42,12 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     ac_mode: str = "off",
     compile: bool | str = False,
+    grad_compression: str = "none",
+    powersgd_rank: int = 4,
+    int8_block: int = 256,
+    param_gather: str = "native",
+    expert_a2a: str = "flat",
+    ep_overlap: bool = False,
 ) -> nn.Module:
     """Shard `model` in place. Gradients are SUMMED across ranks (divide factor 1): the trainer
     normalises every loss by global token counts, which keeps data-parallel and expert-parallel
@@ -49,15 +56,26 @@ def parallelize(
     param_dtype: compute dtype (None = the parameters' own, fp32); with bf16 the caller must
     not also autocast. reduce_dtype: gradient reduce-scatter dtype. ac_mode: off | full |
     selective (distributed/activation_checkpoint.py). compile: torch.compile each block (True:
-    inductor; a string names another torch.compile backend, e.g. "eager" in tests)."""
+    inductor; a string names another torch.compile backend, e.g. "eager" in tests).
+    grad_compression: under HSDP, how gradients are summed across replicas ("none": FSDP2's
+    own all-reduce; "bf16" | "int8" | "powersgd": distributed/compression.py).
+    param_gather: "int8" quantises FSDP2's parameter all-gathers (compression.Int8AllGather).
+    expert_a2a: "hierarchical" when an EP group spans nodes (distributed/hierarchical_a2a.py).
+    ep_overlap: the dispatch all-to-all runs under the shared experts."""
     if dims.ep_enabled:
-        apply_expert_parallel(model, dims.mesh("ep"))
+        hier = dims.ep_hierarchy() if expert_a2a == "hierarchical" else None
+        apply_expert_parallel(model, dims.mesh("ep"), hier, ep_overlap)
     if compile:
         apply_compile(model, ac_mode, "inductor" if compile is True else compile)
     apply_activation_checkpointing(model, ac_mode)
 
     mp = mixed_precision_policy(param_dtype, reduce_dtype)
-    dp = dims.mesh("fsdp")  # every rank: data and context parallel ranks hold the same params
+    # Every rank of a replica holds a shard of the same params; under HSDP FSDP2 all-reduces
+    # the shards across replicas itself, or, with compression, FSDP shards over the replica
+    # only and our hook does the cross-replica sum.
+    compress = dims.hsdp_enabled and grad_compression != "none"
+    dp = dims.mesh("shard") if compress else dims.mesh("fsdp")
+    experts_mesh = dims.mesh("dp_mod_ep") if compress else dims.mesh("experts_fsdp")
     # Under context parallelism each rank's autograd graph differs (its own document pieces),
     # so the engine may reach a block's K/V reduce-scatter and FSDP's backward all-gather of
     # another block in a different order on different ranks: a deadlock. Keeping the block's
@@ -66,12 +84,18 @@ def parallelize(
     reshard = not dims.cp_enabled
     for block in checkpointed_blocks(model):
         if block.moe is not None and dims.ep_enabled:
-            fully_shard(block.moe.experts, mesh=dims.mesh("dp_mod_ep"), reshard_after_forward=reshard,
+            fully_shard(block.moe.experts, mesh=experts_mesh, reshard_after_forward=reshard,
                         mp_policy=mp)  # fmt: skip
         fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp, mp_policy=mp)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    replicate = dims.mesh("replicate").get_group() if compress else None
+    for i, m in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        if param_gather == "int8":
+            sizes = [s.numel() for s in module_layout(m)]
+            m.set_custom_all_gather(Int8AllGather(sizes, int8_block))
+        if compress:
+            m.set_all_reduce_hook(make_reducer(grad_compression, replicate, m, seed=i,
+                                               powersgd_rank=powersgd_rank, int8_block=int8_block))  # fmt: skip
     return model

@@ -32,6 +32,11 @@ class Dispatcher(Protocol):
         tensor, context for combine)."""
         ...
 
+    def arrived(self, tokens: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The dispatched rows, once there: a dispatcher may return from `dispatch` with its
+        exchange still in flight, so the shared experts compute meanwhile."""
+        ...
+
     def combine(self, y: torch.Tensor, ctx: Any, weights: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -40,6 +45,9 @@ class LocalDispatcher:
 
     def dispatch(self, x, expert_idx, n_experts):
         return ops.call("moe_permute", x, expert_idx, n_experts)  # no host sync
+
+    def arrived(self, tokens, ctx):
+        return tokens
 
     def combine(self, y, ctx, weights):
         return ops.call("moe_unpermute", y, ctx, weights)
@@ -120,7 +128,8 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.load += counts.to(self.load.dtype)
         tokens, local_counts, ctx = self.dispatcher.dispatch(x, idx, self.n_experts)
-        shared = self.shared(x) if self.shared is not None else None
+        shared = self.shared(x) if self.shared is not None else None  # overlaps the dispatch
+        tokens = self.dispatcher.arrived(tokens, ctx)
         y = self.dispatcher.combine(self.experts(tokens, local_counts), ctx, w)
         if shared is not None:
             y = y + shared

@@ -593,8 +593,9 @@ def settings_for_job(cfg, world_size: int, device_type: str) -> list[MemorySetti
     from wanka.device import autocast_dtype
 
     t = cfg.train
-    # FSDP shards over every rank of dp x cp (ParallelDims' "fsdp" mesh).
-    dp = world_size if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard * cfg.parallel.cp
+    # FSDP shards over every rank of a replica's dp_shard x cp (all ranks without HSDP).
+    par = cfg.parallel
+    dp = world_size // par.dp_replicate if par.dp_shard == -1 else par.dp_shard * par.cp
     amp = autocast_dtype(device_type, t.mixed_precision)
     cp = cfg.parallel.cp
     cp_tokens, span = cp_limits(cp, cfg.parallel.cp_layout, cfg.parallel.cp_max_span, world_size,

@@ -120,7 +120,7 @@ def _check_config(cfg) -> CheckResult:
 def _dims(cfg, world_size: int):
     from wanka.distributed.parallel_dims import ParallelDims
 
-    return ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world_size, cfg.parallel.cp)
+    return ParallelDims.from_config(cfg.parallel, world_size)
 
 
 def _check_degrees(cfg, world_size: int, nnodes: int) -> CheckResult:
@@ -128,7 +128,8 @@ def _check_degrees(cfg, world_size: int, nnodes: int) -> CheckResult:
         return CheckResult("parallel.degrees", False, f"{world_size} ranks do not split evenly "
                            f"over {nnodes} nodes: launch the same --nproc on every node")  # fmt: skip
     d = _dims(cfg, world_size)  # ep vs n_experts is the config check's (validate)
-    return CheckResult("parallel.degrees", True, f"dp_shard={d.dp_shard} ep={d.ep} "
+    return CheckResult("parallel.degrees", True, f"dp_replicate={d.dp_replicate} "
+                       f"dp_shard={d.dp_shard} ep={d.ep} "
                        f"(experts {cfg.model.n_experts // d.ep}/rank) over {world_size} ranks "
                        f"= {nnodes} node(s) x {world_size // nnodes}")  # fmt: skip
 
@@ -148,7 +149,7 @@ def _check_sequence(cfg) -> CheckResult:
 
 def _check_batch(cfg, world_size: int) -> CheckResult:
     t = cfg.train
-    dp = _dims(cfg, world_size).dp_shard
+    dp = _dims(cfg, world_size).dp
     seqs = t.micro_batch_size * t.grad_accum * dp
     tokens = seqs * cfg.data.seq_len
     msg = (f"global batch {seqs} seqs = micro {t.micro_batch_size} x accum {t.grad_accum} x dp "
@@ -306,7 +307,7 @@ def _check_snapshot(cfg, world_size: int, nnodes: int) -> CheckResult:
                            "resilience.snapshot_dir (e.g. /dev/shm/wanka)")  # fmt: skip
     # A rank's snapshot is its shard of fp32 params + 2 moments; each rank keeps 2, and with
     # replicas a node also holds 2 of each buddy rank's on another node.
-    per_rank = param_counts(cfg).total * 12 // _dims(cfg, world_size).dp_shard
+    per_rank = param_counts(cfg).total * 12 // _dims(cfg, world_size).replica_size
     copies = 2 * (2 if r.snapshot_replica and nnodes > 1 else 1)
     need = copies * per_rank * (world_size // max(nnodes, 1))
     free = shutil.disk_usage(anchor).free

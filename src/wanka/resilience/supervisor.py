@@ -225,12 +225,7 @@ class Supervisor:
         from wanka.distributed.parallel_dims import ParallelDims, ParallelError
 
         try:
-            ParallelDims.resolve(
-                self.cfg.parallel.dp_shard,
-                self.cfg.parallel.ep,
-                nodes * self.nproc,
-                self.cfg.parallel.cp,
-            )
+            ParallelDims.from_config(self.cfg.parallel, nodes * self.nproc)
         except ParallelError:
             return False
         return True

@@ -89,7 +89,8 @@ def setup(cfg: JobConfig) -> Job:
     runtime = Runtime(cfg, rank)
     runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
     runtime.chaos.at_start()
-    dims = ParallelDims.resolve(cfg.parallel.dp_shard, cfg.parallel.ep, world, cfg.parallel.cp)
+    dims = ParallelDims.from_config(cfg.parallel, world,
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # fmt: skip
     dims.build_meshes(device_type)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,11 +101,11 @@ def setup(cfg: JobConfig) -> Job:
     train_ds = TokenDataset(data_path, "train")
     check_vocab(train_ds.vocab_size, cfg.model.vocab_size)
     dp_rank = dims.mesh("dp").get_local_rank()
-    rows, load_rank, load_ranks = cfg.train.micro_batch_size, dp_rank, dims.dp_shard
+    rows, load_rank, load_ranks = cfg.train.micro_batch_size, dp_rank, dims.dp
     cp_shard = None
     if dims.cp_enabled:  # every rank loads the rows of all dp groups; the plan splits them
-        rows, load_rank, load_ranks = rows * dims.dp_shard, 0, 1
-        cp_shard = CPSharder(dims.dp_shard, dims.cp, dp_rank, dims.mesh("cp").get_local_rank(),
+        rows, load_rank, load_ranks = rows * dims.dp, 0, 1
+        cp_shard = CPSharder(dims.dp, dims.cp, dp_rank, dims.mesh("cp").get_local_rank(),
                              dims.gather_groups(), cfg.parallel.cp_layout, cfg.model.mtp_depth,
                              cfg.data.seq_len > cfg.model.index_topk, _cp_cost(cfg),
                              cfg.parallel.cp_max_span or None)  # fmt: skip
@@ -120,7 +121,11 @@ def setup(cfg: JobConfig) -> Job:
     n_indexers = sum(blk.attention.indexer is not None for blk in model.layers.values())
     parallelize(model, dims, param_dtype=autocast_dtype(device_type, cfg.train.mixed_precision),
                 reduce_dtype=DTYPES[cfg.train.reduce_dtype],
-                ac_mode=cfg.train.activation_checkpointing, compile=cfg.train.compile)  # fmt: skip
+                ac_mode=cfg.train.activation_checkpointing, compile=cfg.train.compile,
+                grad_compression=cfg.comm.grad_compression, powersgd_rank=cfg.comm.powersgd_rank,
+                int8_block=cfg.comm.int8_block, param_gather=cfg.comm.param_gather,
+                expert_a2a=cfg.comm.expert_a2a,
+                ep_overlap=cfg.comm.ep_overlap)  # fmt: skip
     try:
         optimizer = build_optimizer(model, cfg.train)
     except ValueError as e:  # torch's own checks, should a value slip past the schema's
@@ -224,9 +229,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     n_lm, n_mtp = counts.clamp(min=1).tolist()
     # Balance losses are one term per micro-batch per rank (under CP: per rank's share).
     n_micro_global = cfg.train.grad_accum * job.dims.world_size
-    tokens = (
-        cfg.train.grad_accum * job.dims.dp_shard * cfg.train.micro_batch_size * cfg.data.seq_len
-    )
+    tokens = cfg.train.grad_accum * job.dims.dp * cfg.train.micro_batch_size * cfg.data.seq_len
     n_kl = max(tokens * job.n_indexers, 1)
 
     # A bad step (non-finite or spiking loss) is computed once more from the same state and
@@ -343,6 +346,14 @@ def evaluate(job: Job, step: int) -> float:
     return float(sums[0] / sums[1].clamp(min=1))
 
 
+def _layout_name(dims: ParallelDims, grad_compression: str) -> str:
+    """How parameters are sharded (snapshots only restore onto the same layout)."""
+    name = f"dp{dims.dp_shard}-ep{dims.ep}-cp{dims.cp}"
+    if dims.hsdp_enabled:  # compression shards over a replica's ranks only
+        name += f"-rep{dims.dp_replicate}" + ("-hook" if grad_compression != "none" else "")
+    return name
+
+
 def run(cfg: JobConfig) -> dict:
     """The whole job. Returns the summary (also written to RUN_DIR/summary.json)."""
     t_start = time.perf_counter()
@@ -355,7 +366,7 @@ def run(cfg: JobConfig) -> dict:
     snapshots = rt.snapshot_store(job.dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   layout_signature(job.model, job.dims.world_size,
                                                    _train_state(job)["model_config"],
-                                                   f"dp{job.dims.dp_shard}-ep{job.dims.ep}-cp{job.dims.cp}"))  # fmt: skip
+                                                   _layout_name(job.dims, cfg.comm.grad_compression)))  # fmt: skip
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
@@ -372,8 +383,9 @@ def run(cfg: JobConfig) -> dict:
         if job.is_main:
             log.warning("%s", change)
         metrics.log_event("lr_schedule_change", start, message=change)
-    log.info("run dir %s | world %d (dp %d x cp %d, ep %d) | start step %d", job.run_dir,
-             job.dims.world_size, job.dims.dp_shard, job.dims.cp, job.dims.ep, start)  # fmt: skip
+    log.info("run dir %s | world %d (dp %d x %d x cp %d, ep %d) | start step %d", job.run_dir,
+             job.dims.world_size, job.dims.dp_replicate, job.dims.dp_shard, job.dims.cp,
+             job.dims.ep, start)  # fmt: skip
 
     tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
     mtbf = float(os.environ.get("WANKA_MTBF_S") or cfg.checkpoint.mtbf_s)
