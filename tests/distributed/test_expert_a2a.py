@@ -1,5 +1,6 @@
-"""Hierarchical and overlapped expert all-to-all vs the flat one, on 4 gloo ranks emulating
-2 nodes x 2 ranks: the same rows in the same order, so the same bits, forward and backward."""
+"""Hierarchical and overlapped expert all-to-all vs the flat one, on gloo ranks emulating
+nodes (3 x 2 for the exchange, 2 x 2 for a model step): the same rows in the same order, so
+the same bits, forward and backward."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def _exchange(out: str) -> None:
 
 
 def test_hierarchical_all_to_all_is_the_flat_one(tmp_path):
-    spawn(4, _exchange, str(tmp_path))
-    for r in range(4):
+    spawn(6, _exchange, str(tmp_path))  # 3 nodes x 2: nodes != ranks per node
+    for r in range(6):
         res = torch.load(tmp_path / f"rank{r}.pt")
         (yf, gf), (yh, gh) = res["flat"], res["hier"]
         assert yf.shape[0] > 0 and torch.equal(yf, yh), f"rank {r}: forward differs"
@@ -77,19 +78,33 @@ def _model_steps(out: str) -> None:
         variants = {"flat": {}, "hierarchical": {"expert_a2a": "hierarchical"},
                     "overlap": {"ep_overlap": True}}  # fmt: skip
         res = {name: step(build(dims, **opts), dims) for name, opts in variants.items()}
+        # The overlapped dispatch returns with its exchange still in flight (a Work handle).
+        moe = build(dims, ep_overlap=True).moe_layers()[0]
+        x = torch.randn(8, moe.router.weight.shape[1])
+        _, _, ctx = moe.dispatcher.dispatch(x, torch.randint(0, 8, (8, 2)), 8)
+        pending = ctx[-1]
+        res["in_flight"] = isinstance(pending.work, dist.Work)
+        pending.work.wait()
         if dist.get_rank() == 0:
             torch.save(res, Path(out) / "res.pt")
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def model_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("expert_a2a_model")
+    spawn(4, _model_steps, str(out))
+    return torch.load(out / "res.pt", weights_only=False)
+
+
+def test_overlapped_dispatch_is_asynchronous(model_results):
+    assert model_results["in_flight"]
+
+
 @pytest.mark.parametrize("variant", ["hierarchical", "overlap"])
-def test_model_step_is_bitwise_the_flat_one(tmp_path_factory, variant):
-    out = tmp_path_factory.getbasetemp() / "expert_a2a_model"
-    if not (out / "res.pt").exists():
-        out.mkdir(exist_ok=True)
-        spawn(4, _model_steps, str(out))
-    res = torch.load(out / "res.pt", weights_only=False)
+def test_model_step_is_bitwise_the_flat_one(model_results, variant):
+    res = model_results
     flat, got = res["flat"], res[variant]
     assert torch.equal(flat["sums"], got["sums"])
     assert torch.equal(flat["loads"], got["loads"])

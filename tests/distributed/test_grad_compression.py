@@ -57,19 +57,20 @@ def _run(out: str, method: str) -> None:
             true += total
             outs.append(flat)
         held = torch.zeros(NUMEL)
+        reducer.commit()  # the last step's residuals
         if method.startswith("int8"):  # the rank's own residual, mapped back to flat positions
-            where = reducer._blocked(NUMEL)
-            err = reducer.err[NUMEL]
+            where, _ = reducer.index(NUMEL, torch.device("cpu"))
+            err = reducer.state["err"]
             held = err[:NUMEL].clone() if where is None else err[where].clone()
             # The owner's residual of the summed chunk: gathered so every rank sees all of it.
-            es = reducer.err_sum[NUMEL]
+            es = reducer.state["err_sum"]
             full = es.new_empty(es.numel() * dist.get_world_size())
             dist.all_gather_into_tensor(full, es)
             held_sum = full[:NUMEL] if where is None else full[where]
             dist.all_reduce(held)
             held = held + held_sum
         elif method == "powersgd":
-            held = reducer.err[NUMEL].clone()
+            held = reducer.state["err"].clone()
             dist.all_reduce(held)
         torch.save({"sent": sent, "true": true, "held": held, "outs": outs},
                    Path(out) / f"rank{dist.get_rank()}.pt")  # fmt: skip
@@ -91,6 +92,39 @@ def test_error_feedback_conserves_the_gradient_sum(tmp_path, method, world):
     assert r0["held"].abs().max() > 0, "nothing held back: is compression running at all?"
     # ... and what is held back stays bounded instead of growing with the steps.
     assert r0["held"].norm() < 0.5 * r0["true"].norm()
+
+
+def _rollback(out: str, method: str) -> None:
+    dist.init_process_group("gloo")
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        make = {"int8": lambda: Int8Reducer(group, 32, LAYOUT),
+                "powersgd": lambda: PowerSGDReducer(group, LAYOUT, rank=2)}[method]  # fmt: skip
+        kept, retried = make(), make()
+        outs = {"kept": [], "retried": []}
+        for t in range(4):
+            g = _grad(dist.get_rank(), t)
+            if t == 2:  # a step computed, rejected and recomputed: must leave no trace
+                bad = g * 1e3
+                retried(bad)
+                retried.rollback()
+            for name, r in (("kept", kept), ("retried", retried)):
+                flat = g.clone()
+                r(flat)
+                r.commit()
+                outs[name].append(flat)
+        torch.save(outs, Path(out) / f"rank{dist.get_rank()}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["int8", "powersgd"])
+def test_rolled_back_step_leaves_no_residual(tmp_path, method):
+    spawn(2, _rollback, str(tmp_path), method)
+    res = torch.load(tmp_path / "rank0.pt")
+    for a, b in zip(res["kept"], res["retried"], strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(res["kept"][0], res["kept"][1])
 
 
 def test_bf16_reduce_is_close_and_identical(tmp_path):

@@ -3,6 +3,7 @@ ranks (2 replicas x 2 shards), compared with flat FSDP over the same 4 ranks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ from tests.distributed.parallel_step import build, step
 from wanka.distributed.parallel_dims import ParallelDims
 
 METHODS = ("none", "bf16", "int8", "powersgd")
+
+
+def _metric(run_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if r["kind"] == "train"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -28,7 +34,8 @@ def _grads_per_variant(out: str, ep: int) -> None:
         flat.build_meshes("cpu")
         hsdp.build_meshes("cpu")
         res = {"flat": step(build(flat), flat),
-               "int8_gather": step(build(flat, param_gather="int8"), flat)}  # fmt: skip
+               "int8_gather": step(build(flat, param_gather="int8"), flat),
+               "prefetch": step(build(flat, fsdp_prefetch=2), flat)}  # fmt: skip
         for method in METHODS:
             model = build(hsdp, grad_compression=method)
             r = step(model, hsdp)
@@ -57,6 +64,13 @@ def test_hsdp_without_compression_matches_flat_fsdp(results):
     assert torch.equal(flat["loads"], hsdp["loads"])
     for name, g in flat["grads"].items():
         assert torch.allclose(hsdp["grads"][name], g, rtol=1e-4, atol=1e-7), name
+
+
+def test_explicit_prefetch_changes_nothing_but_order(results):
+    flat, got = results[0]["flat"], results[0]["prefetch"]
+    assert torch.equal(flat["sums"], got["sums"])
+    for name, g in flat["grads"].items():
+        assert torch.equal(got["grads"][name], g), name
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -119,6 +133,11 @@ def test_hsdp_training_job(job_args, tmp_path, method):
     rtol = 2e-4 if method == "none" else 2e-2
     for k in flat:
         assert hsdp[k] == pytest.approx(flat[k], rel=rtol), (k, flat, hsdp)
+    # The clipped (and logged) gradient norm counts every element once, not once per replica.
+    norms = {name: _metric(tmp_path / name, "grad_norm") for name in ("flat", "hsdp")}
+    assert norms["hsdp"][1] == pytest.approx(
+        norms["flat"][1], rel=1e-4 if method == "none" else 2e-2
+    )
     ck = tmp_path / "hsdp" / "checkpoints" / "step-00000002"
     assert (ck / "COMPLETE").is_file()
     # Resume the HSDP run from step 2 in a new run dir: steps 3-4 as before.

@@ -172,8 +172,12 @@ def test_ratios_best_and_convergence():
 def test_markdown_side_by_side():
     md = report.markdown(_doc())
     head = md.splitlines()[0]
-    assert "bytes vs flat" in head and "step vs flat @1G" in head and "step vs flat @10G" in head
-    assert "| hsdp_int8 | 0.20 | 0.10x | 0.250 | 0.50x | 2,048 | 0.600 | 1.20x |" in md
+    assert (
+        "fewer bytes than flat" in head
+        and "speed-up vs flat @1G" in head
+        and "speed-up vs flat @10G" in head
+    )
+    assert "| hsdp_int8 | 0.20 | 10.00x | 0.250 | 2.00x | 2,048 | 0.600 | 0.83x |" in md
     assert "| 4.0200 | +0.500% | ±1% met |" in md
     assert "| hsdp_bf16 | - | - |" in md and "best (shortest step): 1 Gbit/s hsdp_int8" in md
     assert "val loss" not in report.markdown(_doc(with_conv=False))
@@ -236,4 +240,4 @@ def test_cli_bad_flags_exit_2_with_one_line(argv, why, capsys):
 def test_cli_table_prints_an_earlier_result(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(_doc()))
     assert main(["bench", "comm", "--table", str(tmp_path / "c.json")]) == 0
-    assert "| hsdp_int8 | 0.20 | 0.10x |" in capsys.readouterr().out
+    assert "| hsdp_int8 | 0.20 | 10.00x |" in capsys.readouterr().out

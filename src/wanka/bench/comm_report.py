@@ -107,6 +107,11 @@ def _x(v: float | None) -> str:
     return f"{v:.2f}x" if v is not None else "-"
 
 
+def _inverse(ratio: float | None) -> float | None:
+    """case / flat -> flat / case: how many times fewer bytes, how many times faster."""
+    return 1 / ratio if ratio else None
+
+
 def _f(v: float | None, fmt: str) -> str:
     return format(v, fmt) if v is not None else "-"
 
@@ -119,10 +124,10 @@ def markdown(doc: dict) -> str:
     conv = doc.get("convergence", {}).get("cases", {})
     head = ["case"]
     if links:
-        head += ["inter-node MB/step", "bytes vs flat"]
+        head += ["inter-node MB/step", "fewer bytes than flat"]
         for link in links:
             g = f"{link['gbit']:g}G"
-            head += [f"step s @{g}", f"step vs flat @{g}", f"tok/s @{g}"]
+            head += [f"step s @{g}", f"speed-up vs flat @{g}", f"tok/s @{g}"]
     if conv:
         head += ["val loss", "vs flat", "target"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -133,11 +138,11 @@ def markdown(doc: dict) -> str:
             b = s0["bytes_per_step"]
             cells += [
                 _f(b / 1e6 if b is not None else None, ".2f"),
-                _x(s0["ratios"]["bytes_per_step"]),
+                _x(_inverse(s0["ratios"]["bytes_per_step"])),
             ]
             for link in links:
                 s = link["cases"][n]
-                cells += [_f(s["step_time_s"], ".3f"), _x(s["ratios"]["step_time_s"]),
+                cells += [_f(s["step_time_s"], ".3f"), _x(_inverse(s["ratios"]["step_time_s"])),
                           _f(s["tokens_per_s"], ",.0f")]  # fmt: skip
         if conv:
             c = conv.get(n, {})

@@ -2,14 +2,15 @@
 flat, hierarchical (distributed/hierarchical_a2a.py) and flat with the dispatch overlapped
 under the shared experts (comm.ep_overlap).
 
-2 nodes x 2 ranks, one EP group of 4 spanning both nodes (2 experts' worth of ranks per
-node), links shaped to `--gbit`. Only expert parallelism is applied (no FSDP, no optimizer):
+2 nodes x 2 ranks, one EP group of 4 ranks spanning both nodes, links shaped to `--gbit`. Only expert parallelism is applied (no FSDP, no optimizer):
 every rank holds the same dense weights, so the step is the MoE model's forward + backward
 and its only communication is the expert exchange. Each repeat times every variant once, in
 turn (alternating, so load changes hit them alike); step time = the slowest rank's, median
 over repeats. Exposed communication = the time each rank's main thread spent blocked in the
 expert exchange (expert_parallel.BlockedTimer: the same regions the profiler labels
-wanka::ep_a2a*), summed over the timed steps, over their wall time, mean over ranks. One more
+wanka::ep_a2a*), summed over the timed steps, over their wall time, mean over ranks: host
+time, which is what gloo's blocking collectives cost; on NCCL a collective returns at once
+and the profiler's device timeline is what to read instead. One more
 step per variant runs under torch.profiler; rank 0's trace is saved as JSON for
 chrome://tracing / Perfetto (profiling slows the step: its times are not the reported ones).
 Gradients of every variant are checked against flat (bitwise).
@@ -121,9 +122,8 @@ def worker(out: Path, seq_len: int, rows: int, repeats: int) -> None:
     BlockedTimer.enabled = False
     grads = {name: [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                     for p in m.parameters() if p.grad is not None] for name, m in models.items()}  # fmt: skip
-    same = {
-        name: all(torch.equal(a, b) for a, b in zip(grads["flat"], g)) for name, g in grads.items()
-    }
+    same = {name: len(g) == len(grads["flat"]) and all(map(torch.equal, grads["flat"], g))
+            for name, g in grads.items()}  # fmt: skip
     exposed = {}
     for name, model in models.items():
         model.zero_grad(set_to_none=True)
@@ -131,8 +131,8 @@ def worker(out: Path, seq_len: int, rows: int, repeats: int) -> None:
         both = torch.tensor([blocked[name], own[name]], dtype=torch.float64)
         dist.all_reduce(both)  # summed over ranks: the fraction is the mean rank's
         exposed[name] = (float(both[0]) / repeats / world, float(both[0] / both[1]))
-    flags = torch.tensor([all(same.values())], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    flags = torch.tensor([same[name] for name in VARIANTS], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # equal on every rank
     if rank == 0:
         res = {
             name: {
@@ -140,9 +140,9 @@ def worker(out: Path, seq_len: int, rows: int, repeats: int) -> None:
                 "steps_s": times[name],
                 "exposed_comm_s": exposed[name][0],
                 "exposed_fraction": exposed[name][1],
-                "bitwise_equal_to_flat": bool(flags),
+                "bitwise_equal_to_flat": bool(flags[i]),
             }  # fmt: skip
-            for name in VARIANTS
+            for i, name in enumerate(VARIANTS)
         }
         (out / "result.json").write_text(json.dumps(res, indent=1))
     dist.destroy_process_group()

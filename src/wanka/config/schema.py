@@ -123,6 +123,10 @@ class CommConfig:
     grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
     powersgd_rank: int = 4
     int8_block: int = 256  # elements per int8 quantisation block (one fp32 scale each)
+    # Explicit FSDP2 prefetch: each block's forward starts the all-gather of the next N blocks
+    # (backward: the previous N), asynchronously, so it runs under the block's compute.
+    # 0 = FSDP2's implicit prefetching.
+    fsdp_prefetch: int = 0
     # FSDP2's parameter all-gather: "native" (param dtype) or "int8" (blockwise, ZeRO++'s
     # qwZ: 4x fewer bytes than fp32, every rank computes with the same rounded weights).
     param_gather: Literal["native", "int8"] = "native"

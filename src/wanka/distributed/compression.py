@@ -36,6 +36,29 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 METHODS = ("none", "bf16", "int8", "powersgd")
 
 
+class _Transactional:
+    """Error-feedback state that a step changes only once the step is kept: __call__ stages
+    the new state; commit() (or the next call) applies it, rollback() drops it, so a step the
+    trainer recomputes or skips leaves no residual behind."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, torch.Tensor] = {}
+        self.staged: dict[str, torch.Tensor] | None = None
+
+    def commit(self) -> None:
+        if self.staged is not None:
+            self.state.update(self.staged)
+            self.staged = None
+
+    def rollback(self) -> None:
+        self.staged = None
+
+
+def _finite_or_zero(new: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    # Branch-free (no host sync): a NaN/inf gradient must not poison later steps.
+    return torch.where(ok, new, torch.zeros_like(new))
+
+
 class Bf16Reducer:
     def __init__(self, group) -> None:
         self.group = group
@@ -44,6 +67,12 @@ class Bf16Reducer:
         low = flat.to(torch.bfloat16)
         dist.all_reduce(low, group=self.group)
         flat.copy_(low)
+
+    def commit(self) -> None:  # stateless
+        pass
+
+    def rollback(self) -> None:
+        pass
 
 
 def block_aligned(sizes: list[int], block: int, numel: int) -> torch.Tensor | None:
@@ -58,6 +87,24 @@ def block_aligned(sizes: list[int], block: int, numel: int) -> torch.Tensor | No
     return torch.cat(starts)
 
 
+class _AlignedIndex:
+    """block_aligned's index on the buffer's device, built once per buffer size."""
+
+    def __init__(self, sizes: list[int], block: int) -> None:
+        self.sizes, self.block = sizes, block
+        self.cache: dict[tuple[int, torch.device], tuple[torch.Tensor | None, int]] = {}
+
+    def __call__(self, numel: int, device: torch.device) -> tuple[torch.Tensor | None, int]:
+        """(positions or None, padded size rounded up to whole blocks)."""
+        key = (numel, device)
+        if key not in self.cache:
+            where = block_aligned(self.sizes, self.block, numel)
+            padded = numel if where is None else int(where[-1]) + 1
+            padded = -(-padded // self.block) * self.block
+            self.cache[key] = (None if where is None else where.to(device), padded)
+        return self.cache[key]
+
+
 def quantize_int8(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (numel divisible by block) -> (int8 values, fp32 scale per block)."""
     rows = x.view(-1, block)
@@ -70,55 +117,64 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, block: int) -> torch.T
     return (q.view(-1, block).float() * scale[:, None]).view(-1)
 
 
-class Int8Reducer:
+def _pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[n, chunk] int8 values + [n, blocks] fp32 scales -> one [n, chunk + 4 blocks] int8
+    message per destination (one collective instead of two)."""
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=1)
+
+
+def _unpack(packed: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = packed[:, :chunk].reshape(-1)
+    scale = packed[:, chunk:].contiguous().view(torch.float32).reshape(-1)
+    return q, scale
+
+
+class Int8Reducer(_Transactional):
     """Two-phase int8 all-reduce with error feedback on both quantisations. With the module's
     layout, every parameter starts a fresh block, so a small-gradient parameter (a norm
     weight) never shares a scale with a large one."""
 
     def __init__(self, group, block: int = 256, layout: list[torch.Size] | None = None) -> None:
+        super().__init__()
         self.group, self.block = group, block
-        self.sizes = [s.numel() for s in layout or []]
         self.n = dist.get_world_size(group)
-        self.err: dict[int, torch.Tensor] = {}  # keyed by the flat size (one per layout)
-        self.err_sum: dict[int, torch.Tensor] = {}
-
-    def _blocked(self, numel: int) -> torch.Tensor | None:
-        return block_aligned(self.sizes, self.block, numel)
+        self.index = _AlignedIndex([s.numel() for s in layout or []], block)
 
     def __call__(self, flat: torch.Tensor) -> None:
+        self.commit()  # the previous step's, if nobody did
         n, block, numel = self.n, self.block, flat.numel()
-        where = self._blocked(numel)
-        padded = numel if where is None else int(where[-1]) + 1
+        where, padded = self.index(numel, flat.device)
         chunk = -(-padded // (n * block)) * block  # each rank owns one chunk of whole blocks
         x = flat.new_zeros(n * chunk, dtype=torch.float32)
         if where is None:
             x[:numel] = flat
         else:
-            x[where.to(flat.device)] = flat.float()
-        err = self.err.setdefault(numel, torch.zeros_like(x))
-        x += err
+            x[where] = flat.float()
+        if self.state.get("err") is not None and self.state["err"].numel() == x.numel():
+            x += self.state["err"]
         q, scale = quantize_int8(x, block)
-        err.copy_(x - dequantize_int8(q, scale, block))
+        err = x - dequantize_int8(q, scale, block)
 
-        # Phase 1 (reduce-scatter): chunk j of every rank goes to rank j, which sums them.
-        q_in, s_in = torch.empty_like(q), torch.empty_like(scale)
-        dist.all_to_all_single(q_in, q, group=self.group)
-        dist.all_to_all_single(s_in, scale, group=self.group)
+        # Phase 1 (reduce-scatter): chunk j of every rank (values and their scales in one
+        # message) goes to rank j, which sums them.
+        packed = _pack(q.view(n, chunk), scale.view(n, chunk // block))
+        received = torch.empty_like(packed)
+        dist.all_to_all_single(received, packed, group=self.group)
+        q_in, s_in = _unpack(received, chunk)
         part = dequantize_int8(q_in, s_in, block).view(n, chunk).sum(0)
-        err_sum = self.err_sum.setdefault(numel, torch.zeros_like(part))
-        part += err_sum
+        if self.state.get("err_sum") is not None and self.state["err_sum"].numel() == chunk:
+            part += self.state["err_sum"]
         q2, s2 = quantize_int8(part, block)
-        err_sum.copy_(part - dequantize_int8(q2, s2, block))
+        err_sum = part - dequantize_int8(q2, s2, block)
 
         # Phase 2 (all-gather) of the quantised sums: the same bits land on every rank.
-        q_all = q2.new_empty(n * q2.numel())
-        s_all = s2.new_empty(n * s2.numel())
-        dist.all_gather_into_tensor(q_all, q2, group=self.group)
-        dist.all_gather_into_tensor(s_all, s2, group=self.group)
-        full = dequantize_int8(q_all, s_all, block)
-        out = full[:numel] if where is None else full[where.to(flat.device)]
-        if not torch.isfinite(out).all():  # a NaN/inf gradient must not poison later steps
-            err.zero_(), err_sum.zero_()
+        mine = _pack(q2[None], s2[None])
+        gathered = mine.new_empty((n, mine.shape[1]))
+        dist.all_gather_into_tensor(gathered, mine, group=self.group)
+        full = dequantize_int8(*_unpack(gathered, chunk), block)
+        out = full[:numel] if where is None else full[where]
+        ok = torch.isfinite(out).all()
+        self.staged = {"err": _finite_or_zero(err, ok), "err_sum": _finite_or_zero(err_sum, ok)}
         flat.copy_(out)
 
 
@@ -129,70 +185,78 @@ def module_layout(module: nn.Module) -> list[torch.Size]:
     return [fp.padded_sharded_param_size for g in state._fsdp_param_groups for fp in g.fsdp_params]
 
 
-class PowerSGDReducer:
-    """Rank-r PowerSGD with error feedback over the parameters of one FSDP module."""
+class PowerSGDReducer(_Transactional):
+    """Rank-r PowerSGD with error feedback over the parameters of one FSDP module. A 2-D
+    shard is one matrix; a 3-D one (stacked experts, [E, h, d]) is E matrices of h x d, each
+    with its own rank-r factors (batched), so experts do not share one subspace."""
 
     def __init__(self, group, layout: list[torch.Size], rank: int = 4, seed: int = 0) -> None:
+        super().__init__()
         self.group, self.rank, self.layout, self.seed = group, rank, layout, seed
-        self.q: dict[int, torch.Tensor] = {}  # per matrix index: the warm-started Q
-        self.err: dict[int, torch.Tensor] = {}  # keyed by the flat size
+        self.numel = sum(s.numel() for s in layout)
+        self.mats, self.dense = self._plan()
 
-    def _matrices(self, numel: int) -> list[tuple[int, int, int, int]]:
-        """(index, offset, rows, cols) of the pieces worth compressing; the layout is only
-        trusted when it covers the buffer (a module whose parameters got no gradient this step
-        reduces a shorter buffer: then the whole buffer goes uncompressed)."""
-        if sum(s.numel() for s in self.layout) != numel:
-            return []
-        out, off = [], 0
+    def _plan(self) -> tuple[list[tuple[int, int, int, int, int]], list[tuple[int, int]]]:
+        """(index, offset, batch, rows, cols) of the pieces worth compressing, and (offset,
+        size) runs of the rest, sent uncompressed."""
+        mats, dense, off = [], [], 0
         for i, shape in enumerate(self.layout):
             size = shape.numel()
-            if len(shape) >= 2 and size:
-                rows, cols = size // shape[-1], shape[-1]
-                if self.rank * (rows + cols) * 2 <= rows * cols:  # at least 2x fewer values
-                    out.append((i, off, rows, cols))
+            batch = shape[0] if len(shape) == 3 else 1
+            rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (0, 0)
+            if len(shape) in (2, 3) and size and self.rank * (rows + cols) * 2 <= rows * cols:
+                mats.append((i, off, batch, rows, cols))
+            elif size:
+                if dense and dense[-1][0] + dense[-1][1] == off:
+                    dense[-1] = (dense[-1][0], dense[-1][1] + size)
+                else:
+                    dense.append((off, size))
             off += size
-        return out
+        return mats, dense
 
-    def _initial_q(self, index: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    def _initial_q(self, index: int, batch: int, cols: int, like: torch.Tensor) -> torch.Tensor:
         # The same Q on every replica (seeded by the matrix index), so the P's add up.
         gen = torch.Generator().manual_seed(self.seed * 1000003 + index)
-        return torch.randn(cols, self.rank, generator=gen).to(like)
+        return torch.randn(batch, cols, self.rank, generator=gen).to(like)
 
     def __call__(self, flat: torch.Tensor) -> None:
+        self.commit()
         numel = flat.numel()
-        m_all = flat.float()
-        err = self.err.setdefault(numel, torch.zeros_like(m_all))
-        m_all += err
-        mats = self._matrices(numel)
-        dense = torch.ones(numel, dtype=torch.bool, device=flat.device)
-        views = []
-        for _, off, rows, cols in mats:
-            dense[off : off + rows * cols] = False
-            views.append(m_all[off : off + rows * cols].view(rows, cols))
-        qs = [self.q.setdefault(i, self._initial_q(i, cols, m_all)) for i, _, _, cols in mats]
+        if numel != self.numel:  # not this module's layout: nothing safe to factor
+            dist.all_reduce(flat, group=self.group)
+            return
+        m_all = flat.float().clone()
+        if self.state.get("err") is not None:
+            m_all += self.state["err"]
+        views = [m_all[o : o + b * r * c].view(b, r, c) for _, o, b, r, c in self.mats]
+        qs = [self.state.get(f"q{i}") for i, *_ in self.mats]
+        qs = [q if q is not None else self._initial_q(i, b, c, m_all)
+              for q, (i, _, b, _, c) in zip(qs, self.mats)]  # fmt: skip
 
-        # P = M Q for all matrices, summed across replicas in one all-reduce.
+        # P = M Q for all matrices, summed across replicas in one all-reduce together with
+        # the pieces sent uncompressed (fp32).
         ps = [m @ q for m, q in zip(views, qs)]
-        _all_reduce_list(ps, self.group)
-        ps = [torch.linalg.qr(p).Q for p in ps]
-        q_local = [m.t() @ p for m, p in zip(views, ps)]
+        rest = [m_all[o : o + n].clone() for o, n in self.dense]
+        _all_reduce_list(ps + rest, self.group)
+        ps = [torch.linalg.qr(p).Q for p in ps]  # batched: one basis per matrix
+        q_local = [m.transpose(1, 2) @ p for m, p in zip(views, ps)]
         q_sum = [q.clone() for q in q_local]
         _all_reduce_list(q_sum, self.group)
 
         out = torch.empty_like(m_all)
-        rest = m_all[dense]
-        dist.all_reduce(rest, group=self.group)  # uncompressed pieces, fp32
-        out[dense] = rest
-        err.zero_()  # pieces sent uncompressed leave no error
-        for (i, off, rows, cols), m, p, ql, qs_ in zip(mats, views, ps, q_local, q_sum):
-            out[off : off + rows * cols] = (p @ qs_.t()).view(-1)
-            err[off : off + rows * cols] = (m - p @ ql.t()).view(-1)
+        err = torch.zeros_like(m_all)  # pieces sent uncompressed leave no error
+        for (o, n), r in zip(self.dense, rest):
+            out[o : o + n] = r
+        staged = {}
+        for (i, o, b, r, c), m, p, ql, qs_, q_old in zip(self.mats, views, ps, q_local, q_sum, qs):
+            out[o : o + b * r * c] = (p @ qs_.transpose(1, 2)).reshape(-1)
+            err[o : o + b * r * c] = (m - p @ ql.transpose(1, 2)).reshape(-1)
             # Warm start from this step's Q, unless it carries nothing (a zero or non-finite
             # gradient would otherwise pin Q, and every later P, at zero or NaN).
-            if torch.isfinite(qs_).all() and qs_.abs().amax() > 0:
-                self.q[i] = qs_
-        if not torch.isfinite(out).all():
-            err.zero_()
+            usable = torch.isfinite(qs_).all() & (qs_.abs().amax() > 0)
+            staged[f"q{i}"] = torch.where(usable, qs_, q_old)
+        staged["err"] = _finite_or_zero(err, torch.isfinite(out).all())
+        self.staged = staged
         flat.copy_(out)
 
 
@@ -212,7 +276,8 @@ class Int8AllGather(AllGather):
     (in-place) all-gather output, this rank's own shard included."""
 
     def __init__(self, sizes: list[int], block: int = 256) -> None:
-        self.sizes, self.block = sizes, block
+        self.block = block
+        self.index = _AlignedIndex(sizes, block)
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -220,20 +285,18 @@ class Int8AllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False) -> None:  # fmt: skip
         numel, block = input_tensor.numel(), self.block
-        where = block_aligned(self.sizes, block, numel)
+        where, padded = self.index(numel, input_tensor.device)
         if where is None or not input_tensor.is_floating_point():  # nothing safe to quantise
             dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
             return None
-        where = where.to(input_tensor.device)
-        padded = -(-(int(where[-1]) + 1) // block) * block
         x = input_tensor.new_zeros(padded, dtype=torch.float32)
         x[where] = input_tensor.float()
         q, scale = quantize_int8(x, block)
         n = dist.get_world_size(group)
-        q_all, s_all = q.new_empty(n * q.numel()), scale.new_empty(n * scale.numel())
-        dist.all_gather_into_tensor(q_all, q, group=group)
-        dist.all_gather_into_tensor(s_all, scale, group=group)
-        full = dequantize_int8(q_all, s_all, block).view(n, padded)[:, where]
+        mine = _pack(q[None], scale[None])
+        gathered = mine.new_empty((n, mine.shape[1]))
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        full = dequantize_int8(*_unpack(gathered, padded), block).view(n, padded)[:, where]
         output_tensor.copy_(full.reshape(-1))
         return None  # done synchronously: FSDP waits only on a returned Work
 

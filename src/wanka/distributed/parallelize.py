@@ -3,6 +3,8 @@ checkpointing, then FSDP2 (with its mixed-precision policy)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -17,6 +19,7 @@ from wanka.distributed.expert_parallel import apply_expert_parallel
 from wanka.distributed.parallel_dims import ParallelDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def mixed_precision_policy(
@@ -46,6 +49,7 @@ def parallelize(
     powersgd_rank: int = 4,
     int8_block: int = 256,
     param_gather: str = "native",
+    fsdp_prefetch: int = 0,
     expert_a2a: str = "flat",
     ep_overlap: bool = False,
 ) -> nn.Module:
@@ -59,11 +63,19 @@ def parallelize(
     inductor; a string names another torch.compile backend, e.g. "eager" in tests).
     grad_compression: under HSDP, how gradients are summed across replicas ("none": FSDP2's
     own all-reduce; "bf16" | "int8" | "powersgd": distributed/compression.py).
+    fsdp_prefetch: blocks whose all-gather each block starts ahead (0: FSDP2's implicit).
     param_gather: "int8" quantises FSDP2's parameter all-gathers (compression.Int8AllGather).
     expert_a2a: "hierarchical" when an EP group spans nodes (distributed/hierarchical_a2a.py).
     ep_overlap: the dispatch all-to-all runs under the shared experts."""
     if dims.ep_enabled:
         hier = dims.ep_hierarchy() if expert_a2a == "hierarchical" else None
+        if expert_a2a == "hierarchical" and hier is None:
+            log.info("comm.expert_a2a=hierarchical: the EP group (ep=%d) fits in a node of %s "
+                     "ranks, so the flat all-to-all is used", dims.ep, dims.ranks_per_node or "?")  # fmt: skip
+        if hier is not None and ep_overlap:
+            log.info(
+                "comm.ep_overlap: not with the hierarchical all-to-all; dispatch is not overlapped"
+            )
         apply_expert_parallel(model, dims.mesh("ep"), hier, ep_overlap)
     if compile:
         apply_compile(model, ac_mode, "inductor" if compile is True else compile)
@@ -88,7 +100,10 @@ def parallelize(
                         mp_policy=mp)  # fmt: skip
         fully_shard(block, mesh=dp, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp, mp_policy=mp)
+    if fsdp_prefetch > 0:
+        _explicit_prefetch(checkpointed_blocks(model), fsdp_prefetch)
     replicate = dims.mesh("replicate").get_group() if compress else None
+    model.grad_reducers = []  # the trainer commits or rolls back their error feedback per step
     for i, m in enumerate(m for m in model.modules() if isinstance(m, FSDPModule)):
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
@@ -96,6 +111,21 @@ def parallelize(
             sizes = [s.numel() for s in module_layout(m)]
             m.set_custom_all_gather(Int8AllGather(sizes, int8_block))
         if compress:
-            m.set_all_reduce_hook(make_reducer(grad_compression, replicate, m, seed=i,
-                                               powersgd_rank=powersgd_rank, int8_block=int8_block))  # fmt: skip
+            # Zeros for parameters without a gradient this step (a dense warm-up's frozen
+            # blocks): the hook then always sees the module's whole layout.
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+            reducer = make_reducer(grad_compression, replicate, m, seed=i,
+                                   powersgd_rank=powersgd_rank, int8_block=int8_block)  # fmt: skip
+            m.set_all_reduce_hook(reducer)
+            model.grad_reducers.append(reducer)
     return model
+
+
+def _explicit_prefetch(blocks: list[FSDPModule], n: int) -> None:
+    """Forward: block i starts the all-gathers of blocks i+1..i+n; backward: of i-1..i-n.
+    Unshards become asynchronous (FSDP2 waits for each where the block needs it), so on a
+    device without streams (CPU + gloo) the gather also runs under the compute."""
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + n])
+        block.set_modules_to_backward_prefetch(blocks[max(i - n, 0) : i][::-1])
+        block._set_unshard_async_op(True)  # private: FSDP2's switch for explicit-only prefetch

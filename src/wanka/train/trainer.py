@@ -124,6 +124,7 @@ def setup(cfg: JobConfig) -> Job:
                 ac_mode=cfg.train.activation_checkpointing, compile=cfg.train.compile,
                 grad_compression=cfg.comm.grad_compression, powersgd_rank=cfg.comm.powersgd_rank,
                 int8_block=cfg.comm.int8_block, param_gather=cfg.comm.param_gather,
+                fsdp_prefetch=cfg.comm.fsdp_prefetch,
                 expert_a2a=cfg.comm.expert_a2a,
                 ep_overlap=cfg.comm.ep_overlap)  # fmt: skip
     try:
@@ -240,6 +241,11 @@ def train_step(job: Job, step: int) -> dict[str, float]:
         )
         lm = float(sums[0]) / n_lm  # NaN if any micro-batch loss was non-finite
         bad = rt.guard.check(lm, float(grad_norm)) if cfg.resilience.nan_guard else None
+        for reducer in getattr(model, "grad_reducers", ()):  # error feedback of kept steps only
+            if bad:
+                reducer.rollback()
+            else:
+                reducer.commit()
         if bad is None:
             break
         job.optimizer.zero_grad(set_to_none=True)
@@ -305,7 +311,9 @@ def _forward_backward(job: Job, micro: list[tuple[Batch, CPLayout | None]], phas
         if not torch.isfinite(loss.detach()):
             sums[0] = float("nan")
     rt.progress.enter("optimizer", step)
-    grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip)
+    # Under HSDP a replica holds every gradient element once: sum squares over one replica.
+    shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
+    grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip, group=shard)
     dist.all_reduce(sums)
     return sums, grad_norm
 
