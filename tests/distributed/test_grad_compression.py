@@ -44,9 +44,10 @@ def _run(out: str, method: str) -> None:
         reducer = {"bf16": lambda: Bf16Reducer(group),
                    "int8": lambda: Int8Reducer(group, 32, LAYOUT),
                    "int8_flat": lambda: Int8Reducer(group, 32),
-                   "powersgd": lambda: PowerSGDReducer(group, LAYOUT, rank=2)}[method]()  # fmt: skip
+                   "powersgd": lambda: PowerSGDReducer(group, LAYOUT, rank=2),
+                   "powersgd_start": lambda: PowerSGDReducer(group, LAYOUT, rank=2, start=3)}[method]()  # fmt: skip
         sent, true = torch.zeros(NUMEL), torch.zeros(NUMEL)
-        outs = []
+        outs, totals = [], []
         for t in range(STEPS):
             g = _grad(dist.get_rank(), t)
             total = g.clone()
@@ -56,6 +57,7 @@ def _run(out: str, method: str) -> None:
             sent += flat
             true += total
             outs.append(flat)
+            totals.append(total)
         held = torch.zeros(NUMEL)
         reducer.commit()  # the last step's residuals
         if method.startswith("int8"):  # the rank's own residual, mapped back to flat positions
@@ -69,10 +71,10 @@ def _run(out: str, method: str) -> None:
             held_sum = full[:NUMEL] if where is None else full[where]
             dist.all_reduce(held)
             held = held + held_sum
-        elif method == "powersgd":
+        elif method.startswith("powersgd"):
             held = reducer.state["err"].clone()
             dist.all_reduce(held)
-        torch.save({"sent": sent, "true": true, "held": held, "outs": outs},
+        torch.save({"sent": sent, "true": true, "held": held, "outs": outs, "totals": totals},
                    Path(out) / f"rank{dist.get_rank()}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -125,6 +127,15 @@ def test_rolled_back_step_leaves_no_residual(tmp_path, method):
     for a, b in zip(res["kept"], res["retried"], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(res["kept"][0], res["kept"][1])
+
+
+def test_powersgd_starts_after_exact_steps(tmp_path):
+    spawn(2, _run, str(tmp_path), "powersgd_start")
+    r0 = torch.load(tmp_path / "rank0.pt")
+    for t in range(3):  # exact (fp32 all-reduce) while it has not started
+        assert torch.equal(r0["outs"][t], r0["totals"][t])
+    assert not torch.allclose(r0["outs"][3], r0["totals"][3], rtol=1e-3)
+    assert torch.allclose(r0["sent"] + r0["held"], r0["true"], rtol=1e-5, atol=1e-4)
 
 
 def test_bf16_reduce_is_close_and_identical(tmp_path):

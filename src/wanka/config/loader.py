@@ -145,7 +145,8 @@ def validate(cfg: JobConfig) -> None:
     for path, v in {"model.n_dense_layers": m.n_dense_layers, "model.n_shared_experts": m.n_shared_experts,
                     "model.init_std": m.init_std, "train.lr": t.lr, "train.weight_decay": t.weight_decay,
                     "train.grad_clip": t.grad_clip, "model.seq_balance_loss_weight": m.seq_balance_loss_weight,
-                    "train.lr_horizon": t.lr_horizon, "comm.fsdp_prefetch": cfg.comm.fsdp_prefetch}.items():  # fmt: skip
+                    "train.lr_horizon": t.lr_horizon, "comm.fsdp_prefetch": cfg.comm.fsdp_prefetch,
+                    "comm.powersgd_start": cfg.comm.powersgd_start}.items():  # fmt: skip
         if v < 0:
             raise ConfigError(path, f"must be >= 0, got {v}")
     _check_ranges(cfg)

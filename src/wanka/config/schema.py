@@ -122,6 +122,9 @@ class CommConfig:
     # feedback) or "powersgd" (rank-`powersgd_rank` factors, with error feedback).
     grad_compression: Literal["none", "bf16", "int8", "powersgd"] = "none"
     powersgd_rank: int = 4
+    # powersgd: exact all-reduces for the first N steps, while gradients change fastest
+    # (PyTorch's PowerSGD hook starts late too: start_powerSGD_iter).
+    powersgd_start: int = 20
     int8_block: int = 256  # elements per int8 quantisation block (one fp32 scale each)
     # Explicit FSDP2 prefetch: each block's forward starts the all-gather of the next N blocks
     # (backward: the previous N), asynchronously, so it runs under the block's compute.

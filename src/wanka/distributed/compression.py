@@ -190,9 +190,11 @@ class PowerSGDReducer(_Transactional):
     shard is one matrix; a 3-D one (stacked experts, [E, h, d]) is E matrices of h x d, each
     with its own rank-r factors (batched), so experts do not share one subspace."""
 
-    def __init__(self, group, layout: list[torch.Size], rank: int = 4, seed: int = 0) -> None:
+    def __init__(self, group, layout: list[torch.Size], rank: int = 4, seed: int = 0,
+                 start: int = 0) -> None:  # fmt: skip
         super().__init__()
         self.group, self.rank, self.layout, self.seed = group, rank, layout, seed
+        self.start, self.kept = start, 0  # exact all-reduces before the first compressed one
         self.numel = sum(s.numel() for s in layout)
         self.mats, self.dense = self._plan()
 
@@ -219,11 +221,19 @@ class PowerSGDReducer(_Transactional):
         gen = torch.Generator().manual_seed(self.seed * 1000003 + index)
         return torch.randn(batch, cols, self.rank, generator=gen).to(like)
 
+    def commit(self) -> None:
+        if self.staged is not None:
+            self.kept += 1
+        super().commit()
+
     def __call__(self, flat: torch.Tensor) -> None:
         self.commit()
         numel = flat.numel()
-        if numel != self.numel:  # not this module's layout: nothing safe to factor
+        if numel != self.numel or self.kept < self.start:
+            # Not this module's layout (nothing safe to factor), or still in the first steps,
+            # where gradients change fastest (PyTorch's hook: start_powerSGD_iter).
             dist.all_reduce(flat, group=self.group)
+            self.staged = {}
             return
         m_all = flat.float().clone()
         if self.state.get("err") is not None:
@@ -302,11 +312,11 @@ class Int8AllGather(AllGather):
 
 
 def make_reducer(method: str, group, module: nn.Module, *, powersgd_rank: int = 4,
-                 int8_block: int = 256, seed: int = 0):  # fmt: skip
+                 powersgd_start: int = 0, int8_block: int = 256, seed: int = 0):  # fmt: skip
     if method == "bf16":
         return Bf16Reducer(group)
     if method == "int8":
         return Int8Reducer(group, int8_block, module_layout(module))
     if method == "powersgd":
-        return PowerSGDReducer(group, module_layout(module), powersgd_rank, seed)
+        return PowerSGDReducer(group, module_layout(module), powersgd_rank, seed, powersgd_start)
     raise ValueError(f"unknown gradient compression {method!r} (one of {', '.join(METHODS)})")

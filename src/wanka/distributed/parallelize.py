@@ -47,6 +47,7 @@ def parallelize(
     compile: bool | str = False,
     grad_compression: str = "none",
     powersgd_rank: int = 4,
+    powersgd_start: int = 0,
     int8_block: int = 256,
     param_gather: str = "native",
     fsdp_prefetch: int = 0,
@@ -114,8 +115,8 @@ def parallelize(
             # Zeros for parameters without a gradient this step (a dense warm-up's frozen
             # blocks): the hook then always sees the module's whole layout.
             m.set_reduce_scatter_unused_params(True, recurse=False)
-            reducer = make_reducer(grad_compression, replicate, m, seed=i,
-                                   powersgd_rank=powersgd_rank, int8_block=int8_block)  # fmt: skip
+            reducer = make_reducer(grad_compression, replicate, m, seed=i, int8_block=int8_block,
+                                   powersgd_rank=powersgd_rank, powersgd_start=powersgd_start)  # fmt: skip
             m.set_all_reduce_hook(reducer)
             model.grad_reducers.append(reducer)
     return model

@@ -123,6 +123,7 @@ def setup(cfg: JobConfig) -> Job:
                 reduce_dtype=DTYPES[cfg.train.reduce_dtype],
                 ac_mode=cfg.train.activation_checkpointing, compile=cfg.train.compile,
                 grad_compression=cfg.comm.grad_compression, powersgd_rank=cfg.comm.powersgd_rank,
+                powersgd_start=cfg.comm.powersgd_start,
                 int8_block=cfg.comm.int8_block, param_gather=cfg.comm.param_gather,
                 fsdp_prefetch=cfg.comm.fsdp_prefetch,
                 expert_a2a=cfg.comm.expert_a2a,
