@@ -35,7 +35,9 @@ from wanka.bench.comm_run import RunFailed, median, read_metrics, run_sets, run_
 
 # Short sequences and few rows: compute per step small next to the model's bytes, so the link
 # shows in step time on a 2-core machine as it would next to accelerators.
-MEASURE_SHAPE = {"data.seq_len": "64", "train.micro_batch_size": "2", "data.val_batches": "2"}
+# PowerSGD compresses from the first step here: a 12-step run measures its steady state.
+MEASURE_SHAPE = {"data.seq_len": "64", "train.micro_batch_size": "2", "data.val_batches": "2",
+                 "comm.powersgd_start": "0"}  # fmt: skip
 # Enough tokens per step that 200 steps move the validation loss well clear of its noise.
 CONVERGE_SHAPE = {"data.seq_len": "128", "train.micro_batch_size": "4", "data.val_batches": "8"}
 CLUSTER = {"name": "wkc", "subnet": "10.231.3.0/24"}  # apart from `cluster up`'s and tests'
