@@ -185,12 +185,19 @@ class ChaosDriver:
         if not beats:
             return
         step = max(b.step for b in beats.values())
+        # A rank at `step` still in "sync" has not passed that step's stop agreement yet: a
+        # preemption notice sent now would stop the job before the step, not during it.
+        running = any(b.step == step and b.phase != "sync" for b in beats.values())
         for f in self.faults:
             if f.kind not in OUTSIDE or f.id in self.fired:
                 continue
-            due = (f.step is not None and step >= f.step) or (
-                f.t is not None and now - self.t_start >= f.t
-            )
+            if f.step is None:
+                reached = False
+            elif f.kind == "sigterm":
+                reached = step > f.step or (step == f.step and running)
+            else:
+                reached = step >= f.step
+            due = reached or (f.t is not None and now - self.t_start >= f.t)
             if due and self._fire(f, beats):
                 self.fired[f.id] = now
                 self.marks.mkdir(parents=True, exist_ok=True)
