@@ -96,7 +96,7 @@ class _AllToAllStart(torch.autograd.Function):
         pending = ctx.pending
         with _blocked(A2A_WAIT):
             pending.grad_work.wait()
-        g, pending.grad, pending.grad_work = pending.grad, None, None
+        g, pending.grad, pending.grad_work, pending.keep = pending.grad, None, None, None
         return g, None, None, None, None
 
 
@@ -113,7 +113,8 @@ class _AllToAllWait(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits, group, pending = ctx.args
         pending.grad = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        pending.grad_work = dist.all_to_all_single(pending.grad, grad.contiguous(), in_splits,
+        pending.keep = grad.contiguous()  # alive until the exchange is done, as in forward
+        pending.grad_work = dist.all_to_all_single(pending.grad, pending.keep, in_splits,
                                                    out_splits, group=group, async_op=True)  # fmt: skip
         return grad, None, None, None, None
 
