@@ -11,8 +11,11 @@ from pathlib import Path
 
 from wanka.bench.comm_cli import add_bench_comm_parser
 from wanka.bench.cp_cli import add_bench_cp_parser
+from wanka.bench.decode import add_bench_decode_parser
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
+from wanka.infer.cli import add_generate_parser
+from wanka.interop.cli import add_interop_parsers
 from wanka.lab.cli import add_lab_parser
 from wanka.models.model_cli import add_model_args
 from wanka.resilience.chaos_cli import add_chaos_parser
@@ -200,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_clean_parser(sub)
     add_chaos_parser(sub)
     add_lab_parser(sub)
+    add_generate_parser(sub)
+    add_interop_parsers(sub)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     dp = d.add_parser(
@@ -248,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_net_parser(b)
     add_bench_cp_parser(b)
     add_bench_comm_parser(b)
+    add_bench_decode_parser(b)
     bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")
     bm.add_argument("--quick", action="store_true", help="tiny only, fewer cases")
     bm.add_argument(

@@ -161,6 +161,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("model.head_dim", "must be even for RoPE")
     if m.index_head_dim % 2 or m.index_head_dim <= 0:
         raise ConfigError("model.index_head_dim", "must be a positive even number (RoPE)")
+    if m.attention == "mla":
+        _check_mla(m)
     if m.n_active_experts > m.n_experts:
         raise ConfigError(
             "model.n_active_experts", f"{m.n_active_experts} > n_experts={m.n_experts}"
@@ -236,6 +238,21 @@ def validate(cfg: JobConfig) -> None:
                     "resilience.evict_same_cause": r.evict_same_cause}.items():  # fmt: skip
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+
+
+def _check_mla(m) -> None:
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}", f"must be positive for attention = 'mla', got "
+                              f"{getattr(m, name)}")  # fmt: skip
+    if m.qk_nope_head_dim < 0:
+        raise ConfigError("model.qk_nope_head_dim", f"must be >= 0, got {m.qk_nope_head_dim}")
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError("model.qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+    if m.index_head_dim < m.qk_rope_head_dim:
+        raise ConfigError("model.index_head_dim", f"{m.index_head_dim} < qk_rope_head_dim="
+                          f"{m.qk_rope_head_dim}: MLA's indexer rotates its first "
+                          "qk_rope_head_dim dims", "raise index_head_dim")  # fmt: skip
 
 
 def _check_ranges(cfg: JobConfig) -> None:

@@ -23,6 +23,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
     init_std: float = 0.02
+    # Attention form: "mqa" (one K and one V head of head_dim) or "mla" (DeepSeek-V3.2's
+    # multi-head latent attention, run in MQA mode over the latent; models/mla.py).
+    attention: Literal["mqa", "mla"] = "mqa"
+    q_lora_rank: int = 64  # mla: query latent width
+    kv_lora_rank: int = 64  # mla: key/value latent width (the cache holds it + the RoPE key)
+    qk_nope_head_dim: int = 32  # mla: per-head query/key width without RoPE
+    qk_rope_head_dim: int = 16  # mla: decoupled RoPE width (one RoPE key shared by the heads)
+    v_head_dim: int = 32  # mla: per-head value width
     # DSA sparse attention: lightning indexer + top-k selection, MQA core attention.
     n_index_heads: int = 2
     index_head_dim: int = 16

@@ -76,6 +76,22 @@ class Attention(nn.Module):
         only some pieces of the sequences: then keys come from the whole CP group and
         `shared_indices` is one index tensor per layout segment."""
         B, L, _ = x.shape
+        q, k, v, qi, ki, wi = self._project(x, positions, ropes)
+        if layout is None:
+            out, indices, kl_sum = self._core(q, k, v, qi, ki, wi, doc_ids, shared_indices,
+                                              phase, sparse=L > self.topk)  # fmt: skip
+        else:
+            out, indices, kl_sum = self._core_cp(q, k, v, qi, ki, wi, doc_ids, shared_indices,
+                                                 phase, layout)  # fmt: skip
+        return self._output(out), AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """[B, L, H, D] per-head attention output -> [B, L, dim]."""
+        return self.wo(out.reshape(*out.shape[:2], -1))
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor, ropes: dict[str, torch.Tensor]):
+        """-> q [B, L, H, D], k, v [B, L, D] (RoPE on q, k) and the indexer's (q, k, w) or Nones."""
+        B, L, _ = x.shape
         q = self.wq(x).view(B, L, self.n_heads, self.head_dim)
         k, v = self.wkv(x).split(self.head_dim, dim=-1)
         q = apply_rope(q, ropes["attn"], positions)
@@ -84,24 +100,39 @@ class Attention(nn.Module):
         if self.indexer is not None:
             # The indexer never sends gradient into the model: its input is detached.
             qi, ki, wi = self.indexer(x.detach(), ropes["index"], positions)
+        return q, k, v, qi, ki, wi
 
-        if layout is None:
-            out, indices, kl_sum = self._core(q, k, v, qi, ki, wi, doc_ids, shared_indices,
-                                              phase, sparse=L > self.topk)  # fmt: skip
+    def decode(self, x, positions, ropes, cache, start: int, docs: torch.Tensor, shared_indices):
+        """Inference over a KV cache: the Lq new tokens x sit at cache slots [start, start + Lq);
+        their keys are written there and the queries read slots [0, start + Lq) (`docs` holds
+        those slots' document ids; pad slots are a document of their own). Sparse once the
+        cache holds more than k slots, as training is for rows longer than k.
+        -> (out [B, Lq, dim], top-k indices or the shared ones / None while dense)."""
+        q, k, v, qi, ki, wi = self._project(x, positions, ropes)
+        shared_kv = v is k  # MLA: one latent tensor is key and value; cache it once
+        keys, values, index_keys = cache.write(start, k, None if shared_kv else v, ki)
+        values = keys if shared_kv else values
+        indices = shared_indices
+        # A layer without an indexer and no indices to share (an MTP draft step past k while
+        # the main model was still dense) attends densely.
+        if keys.shape[1] > self.topk and (self.indexer is not None or indices is not None):
+            if self.indexer is not None:
+                indices, _ = ops.call("lightning_indexer", qi, index_keys, wi, docs, self.topk)
+            out = ops.call("sparse_attention", q, keys, values, indices, self.scale)
         else:
-            out, indices, kl_sum = self._core_cp(q, k, v, qi, ki, wi, doc_ids, shared_indices,
-                                                 phase, layout)  # fmt: skip
-        out = self.wo(out.reshape(B, L, -1))
-        return out, AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+            out = ops.call("dense_attention", q, keys, values, docs, self.scale)
+        return self._output(out), indices
 
     def _core_cp(self, q, k, v, qi, ki, wi, doc_ids, shared, phase, layout):
         """Each segment's queries against its keys (local, or its document's gathered prefix)."""
         # One collective for K, V and the indexer keys: its backward (a reduce-scatter) then has
         # one place in every rank's autograd graph, whatever each rank's segments look like.
-        parts = [k, v] + ([ki] if ki is not None else [])
+        # MLA passes one tensor as key and value (K = V): gathered once.
+        parts = [k] + ([] if v is k else [v]) + ([ki] if ki is not None else [])
         gathered = layout.gather(torch.cat(parts, dim=-1)).split([t.shape[-1] for t in parts], -1)
-        kg, vg = gathered[0], gathered[1]
-        kig = gathered[2] if ki is not None else None
+        kg = gathered[0]
+        vg = kg if v is k else gathered[1]
+        kig = gathered[-1] if ki is not None else None
         outs, indices, kl_sum = [], [], None
         for n, seg in enumerate(layout.segments):
             a, b = seg.q0, seg.q1
@@ -164,7 +195,10 @@ def _kl(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 def make_ropes(cfg: ModelConfig, device=None) -> dict[str, torch.Tensor]:
+    """RoPE tables: attention (MLA: its decoupled RoPE dims, which MLA's indexer uses too) and
+    the MQA indexer's."""
+    attn_dim = cfg.qk_rope_head_dim if cfg.attention == "mla" else cfg.head_dim
     return {
-        "attn": rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device),
+        "attn": rope_table(attn_dim, cfg.max_seq_len, cfg.rope_theta, device),
         "index": rope_table(cfg.index_head_dim, cfg.max_seq_len, cfg.rope_theta, device),
     }

@@ -16,6 +16,7 @@ from torch import nn
 from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention, make_ropes
 from wanka.models.layers import FeedForward, RMSNorm
+from wanka.models.mla import MLAttention
 from wanka.models.moe import MoE, MoELosses
 
 
@@ -37,7 +38,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, has_indexer: bool, is_moe: bool) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, has_indexer)
+        self.attention = (MLAttention if cfg.attention == "mla" else Attention)(cfg, has_indexer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe = MoE(cfg) if is_moe else None
         self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
@@ -53,6 +54,14 @@ class Block(nn.Module):
         else:
             f = self.ffn(self.ffn_norm(x))
         return x + f, aux, moe_losses
+
+    def decode(self, x, positions, ropes, cache, start, docs, shared_indices):
+        """Inference over this block's KV cache (Attention.decode) -> (x, indices)."""
+        h, indices = self.attention.decode(self.attention_norm(x), positions, ropes, cache, start,
+                                           docs, shared_indices)  # fmt: skip
+        x = x + h
+        f = self.moe(self.ffn_norm(x))[0] if self.moe is not None else self.ffn(self.ffn_norm(x))
+        return x + f, indices
 
 
 class MTPModule(nn.Module):
@@ -155,6 +164,33 @@ class Transformer(nn.Module):
         return LossParts(
             lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance, seq_balance
         )
+
+    # Inference (wanka/infer): the same math over a KV cache. `cache` has one LayerCache per
+    # main layer then one per MTP depth; the new tokens sit at slots [start, start + Lq).
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache, start: int,
+               docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """tokens, positions [B, Lq]; docs [B, start + Lq] -> (logits [B, Lq, V], final hidden
+        state before the norm [B, Lq, D] (what MTP reads), the last top-k indices or None)."""
+        ropes = {"attn": self.rope_attn, "index": self.rope_index}
+        h, indices = self.tok_embeddings(tokens), None
+        for i, blk in enumerate(self.layers.values()):
+            h, indices = blk.decode(h, positions, ropes, cache.layers[i], start, docs, indices)
+        return self._logits(self.norm(h)), h, indices
+
+    def mtp_decode(self, depth: int, hidden: torch.Tensor, next_tokens: torch.Tensor,
+                   positions: torch.Tensor, cache, start: int, docs: torch.Tensor,
+                   indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """MTP depth `depth` (1-based) at the slots of `hidden`: the previous depth's (or the
+        main model's) hidden state there and the embedding of the token after each slot
+        -> (logits of the token after that one, this depth's hidden state)."""
+        mtp = self.mtp[depth - 1]
+        ropes = {"attn": self.rope_attn, "index": self.rope_index}
+        nxt = self.tok_embeddings(next_tokens)
+        h = mtp.proj(torch.cat([mtp.hidden_norm(hidden), mtp.embed_norm(nxt)], dim=-1))
+        layer_cache = cache.layers[len(self.layers) + depth - 1]
+        h, _ = mtp.block.decode(h, positions, ropes, layer_cache, start, docs, indices)
+        return self._logits(mtp.norm(h)), h
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,13 +131,13 @@ def write_failure(e: BaseException, root: Path) -> str | None:
     return _last_line(e)
 
 
-def _diff(saved: str, current: str) -> str:
+def model_diff(saved: str, current: str) -> str:
     a, b = json.loads(saved), json.loads(current)
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return ", ".join(f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in keys[:4])
 
 
-def _same_model(saved: str | None, current: str | None) -> bool:
+def same_model(saved: str | None, current: str | None) -> bool:
     """Equal model configs, where a field the saved config predates counts as its default
     (a checkpoint from before a new option keeps loading while that option is left alone)."""
     if saved is None or current is None:
@@ -427,9 +427,9 @@ class Checkpointer:
             raise ValueError(f"checkpoint {path} does not fit this model ({_last_line(e)}); "
                              "use the model config it was saved with, or a new run.dir") from None  # fmt: skip
         saved, now = state["train"].get("model_config"), train_template.get("model_config")
-        if saved != now and not _same_model(saved, now):
+        if saved != now and not same_model(saved, now):
             raise ValueError(f"checkpoint {path} was saved with another [model] config "
-                             f"({_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
+                             f"({model_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])  # fmt: skip
         torch.set_rng_state(state["train"]["rng"])

@@ -1,0 +1,163 @@
+"""`wanka bench decode RUN_DIR`: decoding speed of a trained run, plain vs MTP speculation.
+
+Part 1, side by side in one process: greedy completions of held-out prompts (the built-in
+corpus's validation documents, never trained on) at batch 1 and 8, plain and with N drafts:
+tokens/s, latency per token, acceptance rate per draft position, mean acceptance length
+(tokens per verify forward). Part 2: one decode step's time after a context of 4k and 16k
+tokens (plain, batch 1): DSA reads top-k keys per query, so beyond k the step grows with the
+indexer's cheap scan only, not with full attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def add_bench_decode_parser(b) -> None:
+    d = b.add_parser("decode", help="decoding tokens/s, latency and MTP acceptance of a "
+                     "trained run; decode step time vs context length")  # fmt: skip
+    d.add_argument("run_dir", help="a training run's directory (e.g. flavor small)")
+    d.add_argument("--speculate", type=int, default=2, help="MTP drafts per step")
+    d.add_argument("--batches", default="1,8", help="batch sizes, comma list")
+    d.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    d.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
+    d.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    d.add_argument("--contexts", default="4096,16384",
+                   help="context lengths for the step-time part, comma list ('' = skip)")  # fmt: skip
+    d.add_argument("--out", default="runs/bench/decode.json", help="JSON result file")
+    d.set_defaults(fn=run_bench_decode)
+
+
+def heldout_prompts(n: int, length: int) -> list[list[int]]:
+    """Byte prompts from the starts of the built-in corpus's validation documents."""
+    from wanka.data.corpus import builtin_documents, split_documents
+
+    _, val = split_documents(builtin_documents(), 0.01, 0)  # the split `prepare` makes
+    out = []
+    for doc in val:
+        ids = list(doc.text.encode("utf-8"))
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            return out
+    raise ValueError(f"the validation split has fewer than {n} documents of {length} bytes")
+
+
+def _decode_case(model, prompts, batch: int, speculate: int, new_tokens: int) -> dict:
+    from wanka.infer.generate import Generator
+
+    t0, outs, stats = time.perf_counter(), [], []
+    for i in range(0, len(prompts), batch):
+        gen = Generator(model, speculate=speculate)
+        outs += gen.generate(prompts[i : i + batch], new_tokens)
+        stats.append(gen.stats)
+    dt = time.perf_counter() - t0
+    tokens = sum(s.tokens for s in stats)
+    rounds = sum(s.rounds for s in stats)
+    drafted = [sum(s.drafted[j] for s in stats) for j in range(speculate)]
+    accepted = [sum(s.accepted[j] for s in stats) for j in range(speculate)]
+    return {
+        "batch": batch,
+        "speculate": speculate,
+        "seconds": round(dt, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / dt, 2),
+        # A row's tokens arrive one forward apart: wall time over the tokens of one row.
+        "latency_ms_per_token": round(1e3 * dt / (tokens / batch), 2),
+        "acceptance_rate": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
+        "mean_acceptance_length": round(1 + sum(accepted) / rounds, 3) if rounds else None,
+        "outputs": outs,
+    }
+
+
+def _step_time(model, context: int, steps: int = 8) -> dict:
+    """Prefill `context` tokens, then time single-token decode steps (median)."""
+    import torch
+
+    from wanka.infer.cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(32, 127, (1, context + steps), generator=g)
+    cache = KVCache(len(model.layers), 1, torch.device("cpu"), capacity=context + steps)
+    pos = torch.arange(context + steps)[None]
+    t0 = time.perf_counter()
+    docs = cache.set_docs(0, torch.zeros(1, context, dtype=torch.long))
+    model.decode(tokens[:, :context], pos[:, :context], cache, 0, docs)
+    prefill = time.perf_counter() - t0
+    times = []
+    for s in range(context, context + steps):
+        t0 = time.perf_counter()
+        docs = cache.set_docs(s, torch.zeros(1, 1, dtype=torch.long))
+        model.decode(tokens[:, s : s + 1], pos[:, s : s + 1], cache, s, docs)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"context": context, "prefill_s": round(prefill, 2),
+            "step_ms_median": round(1e3 * times[len(times) // 2], 2),
+            "step_ms_min": round(1e3 * times[0], 2)}  # fmt: skip
+
+
+def run_bench_decode(args: argparse.Namespace) -> int:
+    batches = [int(x) for x in args.batches.split(",") if x]
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    if args.speculate < 1 or not batches or min(batches) < 1:
+        raise ValueError("--speculate and --batches need positive numbers, e.g. --batches 1,8")
+    for flag in ("prompts", "prompt_tokens", "new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 1 or more")
+    import torch
+
+    from wanka.infer.load import load_trained
+
+    torch.set_grad_enabled(False)
+    model, cfg, ckpt = load_trained(args.run_dir)
+    if cfg.data.tokenizer != "byte":
+        raise ValueError("bench decode draws byte prompts from the built-in corpus: use a run "
+                         "with data.tokenizer = 'byte'")  # fmt: skip
+    if contexts and max(contexts) + 16 > cfg.model.max_seq_len:
+        raise ValueError(f"--contexts up to {max(contexts)} exceed the model's max_seq_len "
+                         f"{cfg.model.max_seq_len}")  # fmt: skip
+    prompts = heldout_prompts(args.prompts, args.prompt_tokens)
+    result = {"run_dir": str(args.run_dir), "checkpoint": str(ckpt), "flavor": cfg.model.flavor,
+              "index_topk": cfg.model.index_topk, "threads": torch.get_num_threads(),
+              "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
+              "new_tokens": args.new_tokens, "cases": [], "contexts": []}  # fmt: skip
+    _decode_case(model, prompts[:1], 1, args.speculate, 8)  # warm-up (first-call costs)
+    for batch in batches:
+        for spec in (0, args.speculate):
+            case = _decode_case(model, prompts, batch, spec, args.new_tokens)
+            result["cases"].append(case)
+            print(_row(case), flush=True)
+        plain, sped = result["cases"][-2:]
+        sped["speedup_vs_plain"] = round(sped["tokens_per_s"] / plain["tokens_per_s"], 3)
+        sped["same_output_as_plain"] = sped["outputs"] == plain["outputs"]
+        print(f"  batch {batch}: speculation {sped['speedup_vs_plain']}x tokens/s, same greedy "
+              f"output: {sped['same_output_as_plain']}", flush=True)  # fmt: skip
+    for c in contexts:
+        row = _step_time(model, c)
+        result["contexts"].append(row)
+        print(f"context {c}: decode step {row['step_ms_median']} ms (prefill {row['prefill_s']} s)",
+              flush=True)  # fmt: skip
+    if len(result["contexts"]) >= 2:
+        a, b = result["contexts"][0], result["contexts"][-1]
+        result["step_growth"] = round(b["step_ms_median"] / a["step_ms_median"], 3)
+        result["context_growth"] = round(b["context"] / a["context"], 3)
+        print(f"step time x{result['step_growth']} for context x{result['context_growth']}")
+    for case in result["cases"]:
+        case["outputs"] = [len(o) for o in case.pop("outputs")]  # lengths only in the JSON
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _row(c: dict) -> str:
+    spec = f"speculate {c['speculate']}" if c["speculate"] else "plain"
+    acc = ""
+    if c["speculate"]:
+        acc = f" | acceptance {c['acceptance_rate']} | mean length {c['mean_acceptance_length']}"
+    return (f"batch {c['batch']} {spec:12s} | {c['tokens_per_s']:8.1f} tok/s | "
+            f"{c['latency_ms_per_token']:7.1f} ms/token{acc}")  # fmt: skip

@@ -1,0 +1,228 @@
+"""Batched decoding over a KV cache, plain or with MTP speculation.
+
+Plain: one main-model forward per token. Speculative (`speculate = N`): the depth-1 MTP module
+drafts N tokens, reused recursively as vLLM does (its own output hidden state stands in for
+the main model's; deeper trained MTP modules are not used yet), one main forward verifies the
+pending token and
+the N drafts at once, each row keeps its leading accepted drafts plus one token from the
+target (sampling.accept_drafts), and the cache drops the rest. Greedy output is the same as
+plain greedy decoding; sampled output follows the same distribution.
+
+The MTP entry of slot s combines the main model's hidden state at s with the embedding of
+the token after s, so MTP entries are written after the verify forward that yields them.
+Rows are right-aligned in the cache (infer/cache.py); a row that keeps fewer drafts than the
+longest is moved right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from wanka.infer.cache import PAD_DOC, KVCache
+from wanka.infer.sampling import Sampling, accept_drafts, draw, probabilities
+from wanka.models.transformer import Transformer
+
+
+@dataclass
+class DecodeStats:
+    forwards: int = 0  # main-model forwards after the prompt's
+    tokens: int = 0  # tokens emitted (all rows, max_new_tokens cap applied)
+    rounds: int = 0  # speculative rounds, summed over the rows still generating
+    drafted: list[int] = field(default_factory=list)  # per draft position, summed over rows
+    accepted: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify forward: accepted drafts + the target's own token (1 = none)."""
+        return 1.0 + sum(self.accepted) / self.rounds if self.rounds else 1.0
+
+
+class Generator:
+    def __init__(self, model: Transformer, sampling: Sampling | None = None, speculate: int = 0,
+                 seed: int = 0, eos: int | None = None) -> None:  # fmt: skip
+        if speculate and not len(model.mtp):
+            raise ValueError("speculation needs the model's MTP module: this model has "
+                             "mtp_depth = 0; decode without --speculate")  # fmt: skip
+        self.model, self.speculate, self.eos = model, speculate, eos
+        self.sampling = sampling or Sampling()
+        self.gen = torch.Generator(device=model.tok_embeddings.weight.device).manual_seed(seed)
+        self.device = model.tok_embeddings.weight.device
+        self.stats = DecodeStats(drafted=[0] * speculate, accepted=[0] * speculate)
+
+    @torch.no_grad()  # not inference_mode: CPU ops write outputs from worker threads
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:  # fmt: skip
+        """Completions of each prompt (token ids), at most max_new_tokens each, ending at the
+        first EOS (included). on_tokens(row, ids) streams each row's new tokens as they come."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        V = self.model.cfg.vocab_size
+        if any(not 0 <= t < V for p in prompts for t in p):
+            raise ValueError(
+                f"a prompt holds a token id outside this model's vocabulary (0..{V - 1})"
+            )
+        longest = max(map(len, prompts))
+        limit = self.model.cfg.max_seq_len
+        if longest + max_new_tokens + self.speculate > limit:
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the model's max_seq_len {limit}: shorten one of them")  # fmt: skip
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.done = [False] * len(prompts)
+        self.max_new, self.on_tokens = max_new_tokens, on_tokens
+        run = self._speculative if self.speculate else self._plain
+        run(prompts)
+        return self.out
+
+    # -- the two loops ---------------------------------------------------------------------
+
+    def _plain(self, prompts: list[list[int]]) -> None:
+        cache, pos, logits, _, _ = self._prefill(prompts, n_mtp=0)
+        nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+        self._emit(nxt[:, None], torch.zeros_like(nxt))
+        length = max(map(len, prompts))
+        while not all(self.done):
+            logits, _, _ = self._forward(cache, length, nxt[:, None], pos[:, None])
+            length, pos = length + 1, pos + 1
+            nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+            self._emit(nxt[:, None], torch.zeros_like(nxt))
+            self.stats.forwards += 1
+
+    def _speculative(self, prompts: list[list[int]]) -> None:
+        N, B = self.speculate, len(prompts)
+        cache, pos, logits, hidden, indices = self._prefill(prompts, n_mtp=1)
+        length = max(map(len, prompts))
+        nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+        self._emit(nxt[:, None], torch.zeros_like(nxt))
+        # MTP entries of the prompt's slots (the token after each; `nxt` after the last).
+        after = torch.cat([self._tokens[:, 1:], nxt[:, None]], dim=1)
+        last = torch.full((B,), length - 1, device=self.device)
+        draft = self._mtp_entries(cache, 0, hidden, after, self._prompt_positions, indices, last)
+        while not all(self.done):
+            drafts, draft_probs = self._draft(cache, length, pos, draft)
+            # Verify: the pending token and the drafts in one forward.
+            verify = torch.cat([nxt[:, None], drafts], dim=1)
+            vpos = pos[:, None] + torch.arange(N + 1, device=self.device)
+            logits, hidden, indices = self._forward(cache, length, verify, vpos)
+            self.stats.forwards += 1
+            target = probabilities(logits, self.sampling)
+            accepted, nxt = accept_drafts(target, draft_probs, drafts, self.gen)
+            # A finished row keeps nothing: it must not grow the cache, move other rows or run
+            # past the RoPE table while slower rows go on.
+            finished = torch.tensor(self.done, device=self.device)
+            accepted = torch.where(finished, 0, accepted)
+            self._count(accepted)
+            self._emit(drafts, accepted, nxt)
+            # MTP entries of the kept slots (the token after each: the next kept draft, then
+            # nxt), written before the cache drops the rejected tail and re-aligns the rows.
+            keep = int(accepted.max()) + 1
+            j = torch.arange(keep, device=self.device)[None]
+            after = torch.where(j < accepted[:, None], torch.cat([drafts, nxt[:, None]], 1)[:, :keep],
+                                nxt[:, None])  # fmt: skip
+            draft = self._mtp_entries(cache, length, hidden[:, :keep], after, vpos[:, :keep],
+                                      indices[:, :keep] if indices is not None else None,
+                                      length + accepted)  # fmt: skip
+            shifts = keep - 1 - accepted
+            cache.keep(length + keep, shifts.tolist())
+            logits_d, h, base = draft
+            if base is not None:  # selected slots move with their rows
+                base = torch.where(base >= 0, base + shifts[:, None, None], base)
+            draft = (logits_d, h, base)
+            pos = pos + torch.where(finished, 0, accepted + 1)
+            length += keep
+
+    def _mtp_entries(self, cache, start, hidden, after, positions, indices, last):
+        """Write the MTP cache entries of slots [start, start + m) -> the MTP output at each
+        row's slot `last` (its first draft's logits [B, 1, V], hidden state [B, 1, D]) and the
+        main model's selection there (or None while dense)."""
+        docs = cache.docs[:, : start + hidden.shape[1]]  # set by the main forward (pads too)
+        logits, h = self.model.mtp_decode(1, hidden, after, positions, cache, start, docs, indices)
+        rows, sel = torch.arange(hidden.shape[0], device=self.device), last - start
+        base = indices[rows, sel][:, None] if indices is not None else None
+        return logits[rows, sel][:, None], h[rows, sel][:, None], base
+
+    def _draft(self, cache, length, pos, draft):
+        """N draft tokens [B, N] and the distributions they were drawn from [B, N, V]: the
+        first from the MTP output at the last kept slot, then recursive MTP steps at the
+        slots ahead (their entries stand in for the main model's until it has verified them)."""
+        d_logits, h, base = draft
+        drafts, probs = [], []
+        for j in range(self.speculate):
+            q = probabilities(d_logits[:, -1], self.sampling)
+            drafts.append(draw(q, self.gen))
+            probs.append(q)
+            if j + 1 == self.speculate:
+                break
+            slot, step_idx = length + j, None
+            if base is not None:  # the last main selection plus the slots ahead
+                ahead = torch.arange(length, slot + 1, device=self.device).expand(len(pos), 1, -1)
+                K = base.shape[-1]
+                step_idx = torch.cat([ahead, base[..., : max(K - ahead.shape[-1], 0)]], -1)[
+                    ..., -K:
+                ]
+            docs = cache.set_docs(slot, self._live(drafts[-1][:, None]))
+            d_logits, h = self.model.mtp_decode(1, h, drafts[-1][:, None], (pos + j)[:, None],
+                                                cache, slot, docs, step_idx)  # fmt: skip
+        return torch.stack(drafts, 1), torch.stack(probs, 1)
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _prefill(self, prompts: list[list[int]], n_mtp: int):
+        B, P = len(prompts), max(map(len, prompts))
+        tokens = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        docs = torch.full((B, P), PAD_DOC, dtype=torch.long, device=self.device)
+        positions = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            n = len(p)
+            tokens[b, P - n :] = torch.tensor(p, device=self.device)
+            docs[b, P - n :] = 0
+            positions[b, P - n :] = torch.arange(n, device=self.device)
+        self._tokens, self._prompt_positions = tokens, positions
+        cap = 1 << (P + self.max_new + 2 * self.speculate).bit_length()
+        cache = KVCache(len(self.model.layers) + n_mtp, B, self.device, capacity=cap)
+        logits, hidden, indices = self.model.decode(tokens, positions, cache, 0,
+                                                    cache.set_docs(0, docs))  # fmt: skip
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        return cache, pos, logits, hidden, indices
+
+    def _forward(self, cache: KVCache, start: int, tokens: torch.Tensor, positions: torch.Tensor):
+        docs = cache.set_docs(start, self._live(tokens))
+        return self.model.decode(tokens, positions, cache, start, docs)
+
+    def _live(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(like.shape[:2], dtype=torch.long, device=self.device)
+
+    def _count(self, accepted: torch.Tensor) -> None:
+        for b, a in enumerate(accepted.tolist()):
+            if self.done[b]:
+                continue
+            self.stats.rounds += 1
+            for j in range(self.speculate):
+                self.stats.drafted[j] += 1
+                self.stats.accepted[j] += int(j < a)
+
+    def _emit(self, drafts: torch.Tensor, accepted: torch.Tensor,
+              nxt: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Append row b's first accepted[b] drafts, then nxt[b] (plain: drafts holds the one
+        new token and accepted is 0... so nxt=None means the drafts' first column)."""
+        for b, (row, a) in enumerate(zip(drafts.tolist(), accepted.tolist())):
+            if self.done[b]:
+                continue
+            new = row[:a] + ([int(nxt[b])] if nxt is not None else row[:1])
+            room = self.max_new - len(self.out[b])
+            new = new[:room]
+            if self.eos is not None and self.eos in new:
+                new = new[: new.index(self.eos) + 1]
+                self.done[b] = True
+            self.out[b].extend(new)
+            self.stats.tokens += len(new)
+            if len(self.out[b]) >= self.max_new:
+                self.done[b] = True
+            if new and self.on_tokens is not None:
+                self.on_tokens(b, new)

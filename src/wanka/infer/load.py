@@ -1,0 +1,85 @@
+"""A trained model for inference: the run directory's config and its newest sound checkpoint,
+loaded into one unsharded model (DCP reshards whatever FSDP / EP layout saved it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from wanka.config.loader import load_config
+from wanka.config.schema import JobConfig
+from wanka.models.attention import make_ropes
+from wanka.models.transformer import Transformer
+from wanka.train.checkpoint import (
+    Checkpointer,
+    complete_checkpoints,
+    model_diff,
+    same_model,
+    verify,
+)
+
+
+def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
+    """`checkpoint`: "latest" (the newest one whose files match their manifest) or a path."""
+    if checkpoint != "latest":
+        path = Path(checkpoint)
+        if (problem := verify(path)) is not None or not path.is_dir():
+            raise ValueError(f"checkpoint {path} is not usable ({problem or 'no such directory'})"
+                             ": pass another --checkpoint, or 'latest'")  # fmt: skip
+        return path
+    found = complete_checkpoints(run_dir / "checkpoints")
+    for path in reversed(found):
+        if verify(path) is None:
+            return path
+    what = "only damaged checkpoints" if found else "no complete checkpoint"
+    raise ValueError(f"{run_dir} has {what}: train it first (wanka train), or pass --checkpoint")
+
+
+def load_trained(run_dir: str | Path, checkpoint: str = "latest",
+                 device: str | torch.device = "cpu") -> tuple[Transformer, JobConfig, Path]:  # fmt: skip
+    """-> (model in eval mode, the run's config, the checkpoint loaded)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ValueError(f"{run_dir} is not a run directory (no config.toml): pass the run.dir "
+                         "of a training job")  # fmt: skip
+    cfg = load_config(run_dir / "config.toml")
+    path = find_checkpoint(run_dir, checkpoint)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    with torch.no_grad():  # buffers: RoPE tables, zeros; weights and expert biases are loaded
+        for b in model.buffers():
+            b.zero_()
+        for name, table in make_ropes(cfg.model, device=device).items():
+            getattr(model, f"rope_{name}").copy_(table)
+    state = {"model": model.state_dict(), "train": {"model_config": ""}}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # DCP wraps shape / key mismatches in several exception types
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint {path} does not fit the model in {run_dir}/config.toml "
+                         f"({last})") from None  # fmt: skip
+    saved, now = (
+        state["train"]["model_config"],
+        json.dumps(dataclasses.asdict(cfg.model), sort_keys=True),
+    )
+    if saved and not same_model(saved, now):
+        raise ValueError(f"checkpoint {path} was saved with another [model] config than "
+                         f"{run_dir}/config.toml ({model_diff(saved, now)})")  # fmt: skip
+    if _in_dense_warmup(cfg, Checkpointer.step_of(path)):
+        # The indexer has not been trained to select yet: attend densely at every length.
+        for module in model.modules():
+            if hasattr(module, "indexer"):
+                module.topk = cfg.model.max_seq_len
+        print(f"[{path} is from the dense warm-up: decoding with dense attention]", file=sys.stderr)
+    return model.eval(), cfg, path
+
+
+def _in_dense_warmup(cfg: JobConfig, step: int) -> bool:
+    t = cfg.train
+    return t.phase == "dense_warmup" or step < t.dense_warmup_steps
