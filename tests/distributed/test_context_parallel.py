@@ -83,3 +83,11 @@ def test_resume_across_a_change_of_cp(job_args, tmp_path):
     ref, moved = losses(tmp_path / "ref"), losses(tmp_path / "moved")
     for k in (3, 4):
         assert moved[k] == pytest.approx(ref[k], rel=2e-5), f"step {k}: {moved[k]} vs {ref[k]}"
+
+
+def test_cp_with_mla_matches_unsharded(tmp_path):
+    """MLA's one key = value latent (gathered once, not as K and V) under cp = 2."""
+    out = tmp_path / "res.pt"
+    spawn(2, run, str(out), 2, 1, LAYOUTS, ["sparse", "dense_warmup"], DOCS, 2,
+          {"attention": "mla"})  # fmt: skip
+    _check(torch.load(out, weights_only=False), ["sparse", "dense_warmup"], LAYOUTS)

@@ -88,3 +88,12 @@ def test_four_ranks_dp4_ep2_matches_single_process(job_args, tmp_path):
     spawn(4, train_job, job_args("four", "train.micro_batch_size=1", "train.steps=3", "parallel.ep=2",
                                  "checkpoint.enable=false"))  # fmt: skip
     _close(losses(tmp_path / "one"), losses(tmp_path / "four"))
+
+
+def test_mla_under_fsdp_and_ep_matches_single_process(job_args, tmp_path):
+    mla = ('model.attention="mla"', "checkpoint.enable=false")
+    spawn(1, train_job, job_args("one", "train.micro_batch_size=4", *mla))
+    spawn(2, train_job, job_args("two", "train.micro_batch_size=2", "parallel.ep=2", *mla))
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    _close(one, two)
+    assert one[4] < one[1], "loss should fall"

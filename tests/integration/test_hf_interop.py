@@ -126,7 +126,8 @@ def _train_mla(tmp_path, name: str, *extra: str):
     run = tmp_path / name
     sets = ['model.attention="mla"', "model.index_share_every=1", "model.index_head_dim=16",
             "train.steps=2", "checkpoint.every=2", "data.val_batches=1", "data.seq_len=64",
-            "train.micro_batch_size=2", "run.tensorboard=false", f'run.dir="{run}"', *extra]  # fmt: skip
+            "train.micro_batch_size=2", "train.warmup_steps=1", "run.tensorboard=false",
+            f'run.dir="{run}"', *extra]  # fmt: skip
     r = wanka("train", "configs/demo.toml", "--nproc", "2", *sum((["--set", s] for s in sets), []))
     assert r.returncode == 0, r.stderr[-3000:]
     return run
@@ -146,6 +147,17 @@ def test_cli_export_import_generate(tmp_path):
     gen = [wanka("generate", str(d), "--prompt", "def f(", "--max-new-tokens", "12")
            for d in (run, tmp_path / "back")]  # fmt: skip
     assert gen[0].returncode == 0 and gen[0].stdout == gen[1].stdout, gen[1].stderr[-2000:]
+    # The imported run trains on: its model-only checkpoint loads, the optimizer starts fresh,
+    # and its first loss is the trained model's, not a fresh init's.
+    back = tmp_path / "back"
+    r = wanka("train", str(back / "config.toml"), "--set", "train.steps=1", "--set",
+              "data.seq_len=64", "--set", "train.micro_batch_size=2", "--set", "data.val_batches=1",
+              "--set", "run.tensorboard=false")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][0]
+    tuned = [json.loads(x) for x in (back / "metrics.jsonl").read_text().splitlines()][0]
+    assert first["step"] == tuned["step"] == 1
+    assert tuned["lm_loss"] < first["lm_loss"] - 0.1, (tuned, first)
 
 
 def test_cli_refuses_what_the_format_cannot_hold(tmp_path):

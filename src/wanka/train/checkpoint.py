@@ -33,7 +33,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 MARKER = "COMPLETE"
 CORRUPT = "CORRUPT"
@@ -421,6 +425,11 @@ class Checkpointer:
         template = {k: v for k, v in train_template.items()
                     if any(f == f"train.{k}" or f.startswith(f"train.{k}.") for f in saved_keys)}  # fmt: skip
         state["train"] = {"step": 0, "rng": torch.get_rng_state(), **template}
+        # A model-only checkpoint (`wanka import` of a Hugging Face model): weights are loaded,
+        # the optimizer starts fresh.
+        with_optim = any(k.startswith("optim.") for k in saved_keys)
+        if not with_optim:
+            del state["optim"]
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # missing keys / shape mismatches
@@ -430,8 +439,11 @@ class Checkpointer:
         if saved != now and not same_model(saved, now):
             raise ValueError(f"checkpoint {path} was saved with another [model] config "
                              f"({model_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])  # fmt: skip
+        if with_optim:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])  # fmt: skip
+        else:
+            set_model_state_dict(self.model, state["model"])
         torch.set_rng_state(state["train"]["rng"])
         return state["train"]
 

@@ -8,6 +8,7 @@ FSDP sums gradients, so N ranks compute exactly the gradient of one process on t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -365,6 +366,17 @@ def _layout_name(dims: ParallelDims, grad_compression: str) -> str:
 
 def run(cfg: JobConfig) -> dict:
     """The whole job. Returns the summary (also written to RUN_DIR/summary.json)."""
+    try:
+        return _run(cfg)
+    finally:
+        # The job's objects sit in reference cycles (modules, FSDP state, hooks); some hold gloo
+        # work objects with tensors. Left to the interpreter's shutdown, destroying them takes
+        # the GIL from a torn-down interpreter: SIGABRT ("terminate called without an active
+        # exception") after a successful run. Free them while Python is fully alive.
+        gc.collect()
+
+
+def _run(cfg: JobConfig) -> dict:
     t_start = time.perf_counter()
     job = setup(cfg)
     rt = job.runtime
@@ -543,7 +555,8 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         info.update(source="none", step=0)
         return 0
     state = ckpt.load(path, _train_state(job))
-    job.loader.load_state_dict(state["loader"])
+    if "loader" in state:  # else a model-only checkpoint (`wanka import`): data from the start
+        job.loader.load_state_dict(state["loader"])
     if "guard" in state:
         job.runtime.guard.load_state_dict(json.loads(state["guard"]))
     apply_hyperparameters(job.optimizer, job.cfg.train)
