@@ -74,29 +74,40 @@ def _decode_case(model, prompts, batch: int, speculate: int, new_tokens: int) ->
 
 
 def _step_time(model, context: int, steps: int = 8) -> dict:
-    """Prefill `context` tokens, then time single-token decode steps (median)."""
+    """Prefill `context` tokens, then time single-token decode steps (median): DSA as trained,
+    then the same steps with dense attention over the same cache (the values in the cache do
+    not change a step's cost)."""
     import torch
 
     from wanka.infer.cache import KVCache
 
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(32, 127, (1, context + steps), generator=g)
-    cache = KVCache(len(model.layers), 1, torch.device("cpu"), capacity=context + steps)
-    pos = torch.arange(context + steps)[None]
+    total = context + 2 * steps
+    tokens = torch.randint(32, 127, (1, total), generator=g)
+    cache = KVCache(len(model.layers), 1, torch.device("cpu"), capacity=total)
+    pos = torch.arange(total)[None]
     t0 = time.perf_counter()
     docs = cache.set_docs(0, torch.zeros(1, context, dtype=torch.long))
     model.decode(tokens[:, :context], pos[:, :context], cache, 0, docs)
-    prefill = time.perf_counter() - t0
-    times = []
-    for s in range(context, context + steps):
-        t0 = time.perf_counter()
-        docs = cache.set_docs(s, torch.zeros(1, 1, dtype=torch.long))
-        model.decode(tokens[:, s : s + 1], pos[:, s : s + 1], cache, s, docs)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return {"context": context, "prefill_s": round(prefill, 2),
-            "step_ms_median": round(1e3 * times[len(times) // 2], 2),
-            "step_ms_min": round(1e3 * times[0], 2)}  # fmt: skip
+    row = {"context": context, "prefill_s": round(time.perf_counter() - t0, 2)}
+    attention = [m for m in model.modules() if hasattr(m, "indexer") and hasattr(m, "topk")]
+    topk = [m.topk for m in attention]
+    for mode, first in (("sparse", context), ("dense", context + steps)):
+        if mode == "dense":
+            for m in attention:
+                m.topk = total  # never more keys than this: dense at every step
+        times = []
+        for s in range(first, first + steps):
+            t0 = time.perf_counter()
+            docs = cache.set_docs(s, torch.zeros(1, 1, dtype=torch.long))
+            model.decode(tokens[:, s : s + 1], pos[:, s : s + 1], cache, s, docs)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        row[f"{mode}_step_ms_median"] = round(1e3 * times[len(times) // 2], 2)
+        row[f"{mode}_step_ms_min"] = round(1e3 * times[0], 2)
+    for m, k in zip(attention, topk):
+        m.topk = k
+    return row
 
 
 def run_bench_decode(args: argparse.Namespace) -> int:
@@ -138,13 +149,16 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     for c in contexts:
         row = _step_time(model, c)
         result["contexts"].append(row)
-        print(f"context {c}: decode step {row['step_ms_median']} ms (prefill {row['prefill_s']} s)",
-              flush=True)  # fmt: skip
+        print(f"context {c}: decode step {row['sparse_step_ms_median']} ms with DSA, "
+              f"{row['dense_step_ms_median']} ms dense (prefill {row['prefill_s']} s)", flush=True)  # fmt: skip
     if len(result["contexts"]) >= 2:
         a, b = result["contexts"][0], result["contexts"][-1]
-        result["step_growth"] = round(b["step_ms_median"] / a["step_ms_median"], 3)
         result["context_growth"] = round(b["context"] / a["context"], 3)
-        print(f"step time x{result['step_growth']} for context x{result['context_growth']}")
+        for mode in ("sparse", "dense"):
+            key = f"{mode}_step_ms_median"
+            result[f"{mode}_step_growth"] = round(b[key] / a[key], 3)
+        print(f"context x{result['context_growth']}: decode step x{result['sparse_step_growth']} "
+              f"with DSA, x{result['dense_step_growth']} dense")  # fmt: skip
     for case in result["cases"]:
         case["outputs"] = [len(o) for o in case.pop("outputs")]  # lengths only in the JSON
     out = Path(args.out)
