@@ -212,3 +212,28 @@ def test_bad_requests_fail_in_one_line():
         Generator(_model(dataclasses.replace(CFG, mtp_depth=0)), speculate=2)
     with pytest.raises(ValueError, match="top_p"):
         Sampling(temperature=1.0, top_p=0.0)
+
+
+def test_cpu_sparse_attention_decode_path_reads_only_selected_rows():
+    """Inference with fewer selections than keys takes the gather path of the CPU backend:
+    same result as the reference, empty slots ignored, and a non-finite key that no query
+    selected changes nothing (one that is selected poisons only its own query)."""
+    from wanka.ops.sparse_attention import cpu, reference
+
+    g = torch.Generator().manual_seed(0)
+    B, Lq, H, D, Lk, K = 2, 3, 4, 16, 200, 8
+    q, k, v = (torch.randn(B, Lq, H, D, generator=g), torch.randn(B, Lk, D, generator=g),
+               torch.randn(B, Lk, D, generator=g))  # fmt: skip
+    idx = torch.randint(0, Lk - 1, (B, Lq, K), generator=g)
+    idx[0, 1, 3:] = -1  # empty slots
+    want = reference.sparse_attention(q, k, v, idx, 0.25)
+    with torch.no_grad():
+        got = cpu.sparse_attention(q, k, v, idx, 0.25)
+    assert torch.allclose(got, want, atol=1e-5)
+    k[1, Lk - 1] = float("nan")  # never selected (indices < Lk - 1)
+    with torch.no_grad():
+        assert torch.equal(cpu.sparse_attention(q, k, v, idx, 0.25), got)
+        idx[1, 2, 0] = Lk - 1
+        poisoned = cpu.sparse_attention(q, k, v, idx, 0.25)
+    assert poisoned[1, 2].isnan().all() and not poisoned[1, :2].isnan().any()
+    assert not poisoned[0].isnan().any()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,7 +60,9 @@ def load_trained(run_dir: str | Path, checkpoint: str = "latest",
             getattr(model, f"rope_{name}").copy_(table)
     state = {"model": model.state_dict(), "train": {"model_config": ""}}
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # DCP wraps shape / key mismatches in several exception types
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ValueError(f"checkpoint {path} does not fit the model in {run_dir}/config.toml "

@@ -423,4 +423,25 @@ def sparse_attention(
     """
     _min_count(strategy, 1)  # validate early
     threads = None if threads is None else max(1, int(threads))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not grad and q.shape[1] * indices.shape[-1] < k.shape[1]:
+        return _few_queries(q, k, v, indices, float(scale))
     return _SparseAttention.apply(q, k, v, indices, float(scale), strategy, chunk, threads)
+
+
+def _few_queries(q, k, v, indices, scale: float) -> torch.Tensor:
+    """Inference with fewer selections than keys (decoding over a KV cache): read only the
+    selected rows. The chunked path pads and scans the whole of K and V (for non-finite rows)
+    on every call, O(Lk) per decode step. Same semantics: an empty slot reads zeros and scores
+    -inf; `where`, not arithmetic, so an unselected non-finite row never reaches a query."""
+    B, Lq, H, D = q.shape
+    K = indices.shape[-1]
+    valid = (indices >= 0)[..., None]  # [B, Lq, K, 1]
+    flat = indices.clamp(min=0).reshape(B, Lq * K, 1).expand(B, Lq * K, D)
+    cdt = _compute_dtype(q.dtype)
+    ks = torch.where(valid, torch.gather(k, 1, flat).view(B, Lq, K, D), 0).to(cdt)
+    vs = torch.where(valid, torch.gather(v, 1, flat).view(B, Lq, K, D), 0).to(cdt)
+    scores = torch.einsum("blhd,blkd->blhk", q.to(cdt), ks) * scale
+    scores = scores.masked_fill(~valid[..., 0][:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(cdt)
+    return torch.einsum("blhk,blkd->blhd", probs, vs).to(q.dtype)
