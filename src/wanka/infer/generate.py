@@ -209,8 +209,8 @@ class Generator:
 
     def _emit(self, drafts: torch.Tensor, accepted: torch.Tensor,
               nxt: torch.Tensor | None = None) -> None:  # fmt: skip
-        """Append row b's first accepted[b] drafts, then nxt[b] (plain: drafts holds the one
-        new token and accepted is 0... so nxt=None means the drafts' first column)."""
+        """Append row b's first accepted[b] drafts, then nxt[b]; without nxt (plain decoding)
+        the new token is the drafts' first column."""
         for b, (row, a) in enumerate(zip(drafts.tolist(), accepted.tolist())):
             if self.done[b]:
                 continue
