@@ -340,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:  # ParallelError is a ValueError
         from wanka.resilience.heartbeat import mark_exit
 
-        mark_exit(2)
+        supervisor_says_it = mark_exit(2, f"{e}")
         _log_to_files(f"{args.cmd}: {e}")
-        print(f"wanka {args.cmd}: {e}", file=sys.stderr)
+        if not supervisor_says_it:
+            print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2
     except Exception:
         from wanka.resilience.heartbeat import mark_exit

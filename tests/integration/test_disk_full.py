@@ -79,7 +79,9 @@ def test_a_final_checkpoint_onto_a_full_disk_ends_the_job_then_resumes(reference
         r = wanka("train", *small(tmp, "end"), "--chaos", "disk_full@step=9,for=600")
         assert r.returncode == 2, r.stderr[-3000:]  # not retried: a restart cannot free a disk
         reason = [x for x in r.stderr.splitlines() if "could not be written" in x]
-        assert reason and reason[0].startswith("wanka train: checkpoint of step 12 could not be")
+        assert reason and reason[0].startswith("wanka train: checkpoint of step 12 could not be"), (
+            r.stderr[-3000:]
+        )
         assert "No space left on device" in reason[0] and "run the same command again" in reason[0]
         assert leftovers(ckpts) == []  # no partial save, and the ballast went with the job
         assert [p.name for p in complete_checkpoints(ckpts)] == ["step-00000008"]

@@ -83,6 +83,8 @@ def test_sigterm_last_gasp_then_resume_past_a_corrupted_checkpoint(reference):
 def test_user_error_is_not_retried(tmp_path):
     r = wanka("train", *small(tmp_path, "bad"), "--set", 'data.path="/nonexistent/data"')
     assert r.returncode == 2 and "restart" not in r.stderr
+    said = [line for line in r.stderr.splitlines() if "/nonexistent/data" in line]
+    assert len(said) == 1 and said[0].startswith("wanka train: "), r.stderr[-3000:]
 
 
 def test_chaos_drill_against_the_torchrun_baseline(tmp_path):

@@ -10,7 +10,15 @@ import time
 import pytest
 
 from wanka.resilience.chaos import WorkerChaos, damage_latest_checkpoint, parse_schedule
-from wanka.resilience.heartbeat import PHASE_ID, Beat, Reporter, read_all
+from wanka.resilience.heartbeat import (
+    PHASE_ID,
+    Beat,
+    Reporter,
+    exit_code,
+    exit_message,
+    mark_exit,
+    read_all,
+)
 from wanka.resilience.monitor import HangMonitor, Timeouts, process_state, stragglers
 from wanka.resilience.worker import LossGuard
 from wanka.train.checkpoint import MARKER, complete_checkpoints, verify, write_manifest
@@ -27,6 +35,20 @@ def test_heartbeat_roundtrip_and_phase_maxima(tmp_path):
     assert b.max_seconds["forward"] >= 0.05 and b.max_seconds["eval"] == 0.0
     (tmp_path / "rank4.hb").write_bytes(b"torn")  # a half-written file is skipped, not fatal
     assert set(read_all(tmp_path)) == {3}
+
+
+def test_an_exit_mark_carries_the_reason_to_the_supervisor(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANKA_HB_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("WANKA_SUPERVISED", raising=False)
+    assert mark_exit(2, "bad value; fix it") is False  # plain torchrun: the rank prints it
+    monkeypatch.setenv("WANKA_SUPERVISED", "1")
+    assert mark_exit(2, "checkpoint of step 12 could not be written\nsecond line") is True
+    assert exit_code(tmp_path, 3) == 2
+    assert exit_message(tmp_path, 3) == "checkpoint of step 12 could not be written\nsecond line"
+    assert mark_exit(1) is False and exit_code(tmp_path, 3) == 1  # no reason: nothing to say
+    assert exit_message(tmp_path, 3) is None and exit_code(tmp_path, 4) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["rank3.exit"]  # no temporary left over
 
 
 def test_timeouts_learn_floor_and_persist(tmp_path):

@@ -109,20 +109,36 @@ def read_all(hb_dir: Path) -> dict[int, Beat]:
     return {b.rank: b for b in beats if b is not None}
 
 
-def mark_exit(code: int) -> None:
-    """A rank about to exit on purpose (e.g. a user error) says so next to its heartbeat, so
-    the monitor does not take the exit for a crash."""
+def mark_exit(code: int, message: str = "") -> bool:
+    """A rank about to exit on purpose (e.g. a user error) says so, and why, next to its
+    heartbeat, so the monitor does not take the exit for a crash. True when a supervisor runs
+    this rank: it prints the message once, even if it tears the rank down before the rank
+    could print it itself (one rank's exit makes it stop the others at once)."""
     hb, rank = os.environ.get("WANKA_HB_DIR"), os.environ.get("RANK")
-    if hb and rank is not None:
-        Path(hb).mkdir(parents=True, exist_ok=True)
-        (Path(hb) / f"rank{rank}.exit").write_text(str(code))
+    if not hb or rank is None:
+        return False
+    Path(hb).mkdir(parents=True, exist_ok=True)
+    exit_file = Path(hb) / f"rank{rank}.exit"
+    tmp = exit_file.with_suffix(".exit-tmp")  # read whole or not at all: written, then renamed
+    tmp.write_text(f"{code}\n{message}" if message else str(code))
+    os.replace(tmp, exit_file)
+    return os.environ.get("WANKA_SUPERVISED") == "1" and bool(message)
 
 
 def exit_code(hb_dir: Path, rank: int) -> int | None:
     try:
-        return int((hb_dir / f"rank{rank}.exit").read_text())
+        return int((hb_dir / f"rank{rank}.exit").read_text().split("\n", 1)[0])
     except (OSError, ValueError):
         return None
+
+
+def exit_message(hb_dir: Path, rank: int) -> str | None:
+    """What rank `rank` said when it exited on purpose (mark_exit), or None."""
+    try:
+        text = (hb_dir / f"rank{rank}.exit").read_text()
+    except OSError:
+        return None
+    return text.split("\n", 1)[1] if "\n" in text else None
 
 
 def node_of(hb_dir: Path, rank: int | None) -> str | None:

@@ -31,7 +31,7 @@ from wanka.config import JobConfig
 from wanka.resilience import rank_logs
 from wanka.resilience.chaos import ChaosDriver, Fault
 from wanka.resilience.goodput import TimelineWriter
-from wanka.resilience.heartbeat import exit_code, node_of, read_all
+from wanka.resilience.heartbeat import exit_code, exit_message, node_of, read_all
 from wanka.resilience.ledger import EvictionPolicy, FaultLedger
 from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state, stragglers
 
@@ -54,6 +54,7 @@ class Outcome:
     confirmed: bool = False  # preempted: every rank wrote its part of the last-gasp checkpoint
     exits: dict[int, int] = field(default_factory=dict)  # global rank -> exit code (the agent's)
     error: str | None = None  # the failed rank's last exception line, from its log
+    said: str | None = None  # user_error: what the rank said (one line), printed by run()
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -212,6 +213,9 @@ class Supervisor:
             out.node = node_of(hb_dir, out.rank)
         if out.cause in ("process_crash", "startup_failure") and out.rank is not None:
             out.error = rank_logs.last_exception(self.run_dir, out.rank, self._log_marks)
+        if out.cause == "user_error":  # rank 0's words first: every rank usually says the same
+            ranks = sorted(int(p.stem[4:]) for p in hb_dir.glob("rank*.exit"))
+            out.said = next(filter(None, (exit_message(hb_dir, r) for r in ranks)), None)
         return out
 
     def _catch_stop_requests(self) -> None:
@@ -362,6 +366,10 @@ class Supervisor:
                 rc = 0
                 break
             if out.cause == "user_error":
+                # The ranks leave the saying to us: the first rank to exit makes us stop the
+                # others at once, possibly before rank 0 had printed anything.
+                said = out.said or f"a rank stopped on an input error; see {self.run_dir}/logs"
+                print(f"wanka train: {said}", file=sys.stderr)
                 rc = EXIT_USER_ERROR
                 break
             if out.cause == "preempted" or self._preempt.is_set():
