@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RUN_ID := $(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-slow lint bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Drills, real benchmark runs and long compiles: not in CI (`make test`), run before a release.
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 lint: setup
 	$(VENV)/bin/ruff check src tests && $(VENV)/bin/ruff format --check src tests

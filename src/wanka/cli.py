@@ -17,7 +17,9 @@ from wanka.distributed.launch import RDZV_FLAGS
 from wanka.infer.cli import add_generate_parser
 from wanka.interop.cli import add_interop_parsers
 from wanka.lab.cli import add_lab_parser
+from wanka.launch.cli import add_launch_parser
 from wanka.models.model_cli import add_model_args
+from wanka.post.cli import add_post_parsers
 from wanka.resilience.chaos_cli import add_chaos_parser
 from wanka.resilience.check_cli import add_check_parser
 from wanka.resilience.nodes_cli import add_clean_parser, add_nodes_parser
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(sub)
     add_generate_parser(sub)
     add_interop_parsers(sub)
+    add_launch_parser(sub)
+    add_post_parsers(sub)
 
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     dp = d.add_parser(

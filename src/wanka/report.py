@@ -196,8 +196,9 @@ def report_main(run_dir: str) -> int:
     """Entry point of `wanka report RUN_DIR`: 0 on success, 2 for a bad run directory."""
     run = Path(run_dir)
     goodput = _report_goodput(run)
+    events: list[dict] = []  # markers; teacher_eval rows tell a distill run apart
     try:
-        train, evals = load_metrics(run)
+        train, evals = load_metrics(run, events)
         png = plot_loss_curves(run)
     except ValueError as e:
         if not goodput:
@@ -210,6 +211,13 @@ def report_main(run_dir: str) -> int:
         for line in summarize(train, evals, with_total=not goodput):
             print(line)
         print(f"loss curve     : {png}")
+        # Lazy: wanka.post.report imports this module's helpers (no import cycle at load).
+        from wanka.post.report import is_post_run, plot_post_curves, summarize_post
+
+        if is_post_run(train, evals, events) is not None:  # wanka distill / wanka rl
+            for line in summarize_post(train, evals, events):
+                print(line)
+            print(f"post curves    : {plot_post_curves(run)}")
     for block in goodput:
         print(block)
     return 0

@@ -121,7 +121,9 @@ def test_powersgd_projects_gradients(results):
             assert cos > 0.15, f"{name}: cosine {cos:.2f}"
 
 
-@pytest.mark.parametrize("method", ["none", "int8"])
+# "none" is exact math already checked step by step (test_hsdp_without_compression_matches_flat
+# _fsdp); its whole-trainer run is `make test-slow` (~45 s).
+@pytest.mark.parametrize("method", [pytest.param("none", marks=pytest.mark.slow), "int8"])
 def test_hsdp_training_job(job_args, tmp_path, method):
     """The whole trainer on 2 replicas x 2 shards: close to flat FSDP, and it resumes from
     its DCP checkpoint (saved once per shard, not once per replica)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wanka(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m wanka.cli ARGS` from the repository root, output captured as text."""
+def wanka(*args: str, timeout: int = 300, env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess:  # fmt: skip
+    """`python -m wanka.cli ARGS` from the repository root, output captured as text; `env`
+    adds to (or replaces entries of) this process's environment."""
     return subprocess.run([sys.executable, "-m", "wanka.cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def small_job(tmp: Path, run: str, keep: int = 3) -> list[str]:

@@ -87,6 +87,7 @@ def test_user_error_is_not_retried(tmp_path):
     assert len(said) == 1 and said[0].startswith("wanka train: "), r.stderr[-3000:]
 
 
+@pytest.mark.slow  # a whole drill, twice (~100 s): `make test-slow`
 def test_chaos_drill_against_the_torchrun_baseline(tmp_path):
     pairs = small(tmp_path, "unused")[4::2]  # the values of the --set pairs
     pairs = [p for p in pairs if not p.startswith(("run.dir", "train.steps", "checkpoint.every"))]

@@ -96,6 +96,7 @@ def test_specs_and_command(tmp_path):
     assert cmd[cmd.index("--nproc") + 1] == "2"
 
 
+@pytest.mark.slow  # a real benchmark run (~70 s): `make test-slow`
 def test_bench_tiny_one_rank(tmp_path):
     out = tmp_path / "train.json"
     result = run_bench(True, out, steps=3, flavors=("tiny",), nprocs=(1,), peak_seconds=0.2)

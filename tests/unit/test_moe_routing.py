@@ -187,6 +187,7 @@ def test_production_flavor_uses_node_limited_routing_and_seq_balance():
     assert f.n_active_experts <= f.n_limited_groups * f.n_experts // f.n_expert_groups
 
 
+@pytest.mark.slow  # inductor compiles for ~40 s; test_compile covers capture in CI
 def test_moe_layer_compiles_with_the_default_backend(monkeypatch):
     """torch.compile of the layer (as distributed/compile.py does): the fp32 CPU `_grouped_mm`
     runs eagerly inside it (its fake-tensor rule is bf16-only), results unchanged."""

@@ -107,7 +107,7 @@ def test_sampled_generation_with_speculation_keeps_the_model_distribution(monkey
     model = _tiny(V)
     for sampling in (Sampling(temperature=1.0), Sampling(temperature=0.7, top_p=0.8)):
         p12, p23 = _exact_pairs(model, prompt, sampling, V)
-        c12, c23 = _sample_pairs(model, prompt, sampling, V, speculate=2, n=3000)
+        c12, c23 = _sample_pairs(model, prompt, sampling, V, speculate=2, n=1500)
         assert _chi2_ok(c12, p12), sampling
         assert _chi2_ok(c23, p23), sampling
 
@@ -119,7 +119,7 @@ def test_sampled_generation_with_speculation_keeps_the_model_distribution(monkey
     monkeypatch.setattr(generate_mod, "accept_drafts", keep_all)
     sampling = Sampling(temperature=1.0)
     p12, p23 = _exact_pairs(model, prompt, sampling, V)
-    c12, c23 = _sample_pairs(model, prompt, sampling, V, speculate=2, n=3000)
+    c12, c23 = _sample_pairs(model, prompt, sampling, V, speculate=2, n=1500)
     assert not (_chi2_ok(c12, p12) and _chi2_ok(c23, p23))
 
 

@@ -193,6 +193,33 @@ class ResilienceConfig:
 
 
 @dataclass
+class PostConfig:
+    """Post-training: `wanka distill` (on-policy distillation from domain teachers) and
+    `wanka rl` (GRPO with a verifiable reward); see docs/POST_TRAINING.md. Optimiser,
+    steps, seed and logging come from [train], sharding from [parallel]."""
+
+    init: str = ""  # run directory whose newest checkpoint the policy starts from
+    teachers: str = ""  # distill: "domain=RUN_DIR,..." (one teacher per prompt domain)
+    prompts: str = "builtin"  # "builtin" (code and prose domains) or a JSONL file
+    prompt_chars: int = 96  # built-in prompts: characters of each prompt
+    completion_tokens: int = 48  # tokens the policy samples per prompt
+    prompts_per_step: int = 4  # per data-parallel rank
+    samples_per_prompt: int = 1  # rl: the group size (>= 2)
+    temperature: float = 1.0  # sampling; on-policy estimators assume 1.0
+    top_p: float = 1.0
+    # distill: per-token divergence to the teacher. reverse_kl (the student's own mistakes
+    # are penalised where it makes them), forward_kl, or GKD's generalised JSD (beta).
+    divergence: Literal["reverse_kl", "forward_kl", "jsd"] = "reverse_kl"
+    estimator: Literal["exact", "sampled"] = "exact"  # reverse_kl: full vocabulary or sampled
+    beta: float = 0.5  # jsd interpolation
+    on_policy_fraction: float = 1.0  # GKD's lambda: else the corpus continuation is used
+    reward: str = "python_parses"  # rl: a built-in reward or "package.module:function"
+    clip_eps: float = 0.2  # rl: PPO ratio clip
+    kl_coef: float = 0.04  # rl: KL to the frozen initial policy
+    eval_prompts: int = 16  # held-out prompts per domain for the eval
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -202,3 +229,4 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    post: PostConfig = field(default_factory=PostConfig)

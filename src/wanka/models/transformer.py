@@ -32,6 +32,7 @@ class LossParts:
     kl_count: int
     balance: torch.Tensor  # batch-wise balance loss, mean over MoE layers
     seq_balance: torch.Tensor  # sequence-wise balance loss (mean over rows), mean over MoE layers
+    logits: torch.Tensor | None = None  # [B, L, V] of the main head, when asked for
 
 
 class Block(nn.Module):
@@ -131,9 +132,12 @@ class Transformer(nn.Module):
         labels: torch.Tensor,
         phase: str = "sparse",
         layout=None,
+        return_logits: bool = False,
     ) -> LossParts:
         """layout: None, or a CPLayout when the rows are split over a context-parallel group
-        (it also carries the tokens and labels MTP looks ahead to, held by other ranks)."""
+        (it also carries the tokens and labels MTP looks ahead to, held by other ranks).
+        return_logits: also return the main head's logits and skip MTP (post-training scores
+        every vocabulary entry; through forward so that FSDP's hooks gather the weights)."""
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         h = self.tok_embeddings(tokens)
         indices, kl_sum, kl_count, moe_losses = None, h.new_zeros(()), 0, []
@@ -144,10 +148,11 @@ class Transformer(nn.Module):
                 kl_sum, kl_count = kl_sum + aux.kl_sum, kl_count + aux.kl_count
             if losses is not None:
                 moe_losses.append(losses)
-        lm_sum, lm_count = _ce(self._logits(self.norm(h)), labels)
+        logits = self._logits(self.norm(h))
+        lm_sum, lm_count = _ce(logits, labels)
 
         mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
-        for d, mtp in enumerate(self.mtp, start=1):
+        for d, mtp in enumerate(self.mtp if not return_logits else (), start=1):
             # depth d at position t predicts token t+d+1: shift tokens/labels left by d.
             ahead = _shift(tokens, d, 0) if layout is None else layout.mtp_tokens[d - 1]
             nxt = self.tok_embeddings(ahead)
@@ -161,9 +166,8 @@ class Transformer(nn.Module):
             balance, seq_balance = (torch.stack(t).mean() for t in zip(*moe_losses))
         else:
             balance = seq_balance = h.new_zeros(())
-        return LossParts(
-            lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance, seq_balance
-        )
+        return LossParts(lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance,
+                         seq_balance, logits if return_logits else None)  # fmt: skip
 
     # Inference (wanka/infer): the same math over a KV cache. `cache` has one LayerCache per
     # main layer then one per MTP depth; the new tokens sit at slots [start, start + Lq).

@@ -17,6 +17,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """Matrices decay; norms, biases and the indexer's own group (own lr) are split out."""
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], "indexer": []}
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen (post-training freezes the MTP heads): no state
+            continue
         if ".indexer." in name:
             groups["indexer"].append(p)
         elif p.dim() >= 2 and "norm" not in name:

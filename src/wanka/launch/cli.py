@@ -1,0 +1,164 @@
+"""argparse wiring of `wanka launch --slurm | --k8s CONFIG ...`. The handler returns an exit
+code; bad input raises ValueError (one line, exit 2 in wanka.cli). Nothing is written before
+every input has been checked."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from wanka.launch import DEFAULT_RDZV_PORT, Job, check_job, evicted_nodes, job_name
+
+SLURM_ONLY = ("partition", "time", "account", "submit", "gres", "cpus_per_task", "warn_seconds")
+K8S_ONLY = ("image", "kind", "min_nodes", "max_nodes", "namespace", "accelerator_resource",
+            "max_restarts", "grace_seconds", "pvc", "workdir")  # fmt: skip
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_mode(a: argparse.Namespace) -> None:
+    """Options of the other mode are mistakes, not silently ignored."""
+    wrong = [d for d in (K8S_ONLY if a.slurm else SLURM_ONLY) if getattr(a, d) not in (None, False)]
+    if wrong:
+        mode, other = ("--slurm", "--k8s") if a.slurm else ("--k8s", "--slurm")
+        raise ValueError(f"{', '.join(_flag(d) for d in wrong)}: for {other}, not {mode}")
+    if a.k8s and a.image is None:
+        raise ValueError("--k8s needs --image (the container image with wanka installed)")
+
+
+def _job(a: argparse.Namespace, config: str, node_counts: tuple[int, ...] = ()) -> Job:
+    nproc = a.nproc if a.nproc is not None else max(a.gpus_per_node, 1)
+    cfg = check_job(config, a.set, a.nodes, nproc, node_counts)
+    ledger = a.ledger if a.ledger is not None else cfg.resilience.ledger
+    return Job(config=config, sets=list(a.set), nodes=a.nodes, nproc=nproc, run_dir=cfg.run.dir,
+               name=job_name(cfg.run.dir, a.name), evicted=evicted_nodes(ledger),
+               ledger=ledger)  # fmt: skip
+
+
+def _write(text: str, out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(text)
+        return
+    path = Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        raise ValueError(f"cannot write --out {out}: {e.strerror}") from None
+
+
+def _excluded(job: Job) -> str:
+    if not job.evicted:
+        return "no node evicted" + (f" in {job.ledger}" if job.ledger else "")
+    return f"excluding {', '.join(sorted(job.evicted))} (evicted in {job.ledger})"
+
+
+def _slurm(a: argparse.Namespace) -> int:
+    from wanka.launch.slurm import SlurmResources, render, submit
+
+    # Absolute: the script runs in --chdir, but a path the user typed is relative to here.
+    job = _job(a, str(Path(a.config).resolve()))
+    res = SlurmResources(gpus_per_node=a.gpus_per_node, gres=a.gres, cpus_per_task=a.cpus_per_task,
+                         partition=a.partition, account=a.account, time=a.time,
+                         warn_s=300 if a.warn_seconds is None else a.warn_seconds,
+                         rdzv_port=a.rdzv_port)  # fmt: skip
+    wanka = shlex.split(a.wanka) if a.wanka else [sys.executable, "-m", "wanka.cli"]
+    text = render(job, res, wanka, os.getcwd(), how=shlex.join(["wanka", *a.argv]))
+    out = a.out
+    if a.submit and out is None:
+        out = str(Path(job.run_dir) / "launch" / f"{job.name}.sbatch")
+    _write(text, out)
+    if out is not None:
+        print(f"wrote {out}: {job.nodes} node(s) x {job.nproc} rank(s), {_excluded(job)}",
+              file=sys.stderr)  # fmt: skip
+    if a.submit:
+        print(f"submitted batch job {submit(Path(out))}")
+    return 0
+
+
+def _k8s(a: argparse.Namespace) -> int:
+    from wanka.launch.k8s import K8sOptions, check_options, node_range, render, to_yaml
+
+    opts = K8sOptions(image=a.image, kind=a.kind or "pytorchjob", namespace=a.namespace,
+                      min_nodes=a.min_nodes, max_nodes=a.max_nodes, gpus_per_node=a.gpus_per_node,
+                      accelerator=a.accelerator_resource or "nvidia.com/gpu",
+                      max_restarts=10 if a.max_restarts is None else a.max_restarts,
+                      grace_s=300 if a.grace_seconds is None else a.grace_seconds,
+                      rdzv_port=a.rdzv_port, pvc=a.pvc, workdir=a.workdir)  # fmt: skip
+    check_options(a.nodes, opts)
+    # The config path is the container's: as given, relative to its working directory. The
+    # config must fit every node count of the elastic range.
+    job = _job(a, a.config, node_range(a.nodes, opts))
+    wanka = shlex.split(a.wanka) if a.wanka else ["wanka"]
+    doc = render(job, opts, wanka)
+    header = (f"{doc['kind']} {job.name}: {job.nodes} node(s) x {job.nproc} rank(s) of "
+              f"`wanka train`, {_excluded(job)}\nwritten by: {shlex.join(['wanka', *a.argv])}\n"
+              "kubectl apply -f FILE; docs/LAUNCH.md explains each field")  # fmt: skip
+    _write(to_yaml(doc, header), a.out)
+    if a.out is not None:
+        print(f"wrote {a.out}: {header.splitlines()[0]}", file=sys.stderr)
+    return 0
+
+
+def _launch(a: argparse.Namespace) -> int:
+    a.argv = list(getattr(a, "argv", None) or ["launch"])  # wanka.cli sets it
+    _check_mode(a)
+    return _slurm(a) if a.slurm else _k8s(a)
+
+
+def add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    """`wanka launch --slurm | --k8s CONFIG --nodes N ...`."""
+    p = sub.add_parser("launch", help="write (and submit) a multi-node job: Slurm sbatch script "
+                       "or Kubernetes PyTorchJob / JobSet manifest")  # fmt: skip
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--slurm", action="store_true", help="an sbatch script (srun + torchrun)")
+    mode.add_argument("--k8s", action="store_true", help="a PyTorchJob or JobSet manifest")
+    p.add_argument("config", help="TOML job file; run.dir must be on storage every node shares")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (passed on to wanka train)")  # fmt: skip
+    p.add_argument("--nodes", type=int, required=True, help="nodes (one wanka train each)")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="accelerators per node (0: a CPU job)")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks per node (default: --gpus-per-node, or 1)")  # fmt: skip
+    p.add_argument("--out", default=None, help="write here instead of standard output")
+    p.add_argument("--ledger", default=None, help="fault ledger whose evicted nodes are kept "
+                   "out (default: the config's resilience.ledger; 'none': no exclusions)")  # fmt: skip
+    p.add_argument("--name", default=None, help="job name (default: from run.dir)")
+    p.add_argument("--rdzv-port", type=int, default=DEFAULT_RDZV_PORT,
+                   help="c10d rendezvous port on the first node")  # fmt: skip
+    p.add_argument("--wanka", default=None, help="how the nodes run wanka (default: this Python "
+                   "with -m wanka.cli for --slurm, `wanka` for --k8s)")  # fmt: skip
+    s = p.add_argument_group("--slurm")
+    s.add_argument("--partition", default=None, help="Slurm partition")
+    s.add_argument("--account", default=None, help="Slurm account to charge")
+    s.add_argument("--time", default=None, help="time limit, HH:MM:SS or D-HH:MM:SS")
+    s.add_argument("--warn-seconds", type=int, default=None,
+                   help="last-gasp checkpoint this long before the time limit (default 300)")  # fmt: skip
+    s.add_argument("--gres", default=None,
+                   help="generic resource name for the accelerators, e.g. npu: --gres=npu:G "
+                        "instead of --gpus-per-node=G")  # fmt: skip
+    s.add_argument("--cpus-per-task", type=int, default=None, help="CPUs for each node's task")
+    s.add_argument("--submit", action="store_true", help="run sbatch on the script")
+    k = p.add_argument_group("--k8s")
+    k.add_argument("--image", default=None, help="container image with wanka installed")
+    k.add_argument("--kind", choices=["pytorchjob", "jobset"], default=None,
+                   help="Kubeflow PyTorchJob (default) or JobSet")  # fmt: skip
+    k.add_argument("--min-nodes", type=int, default=None, help="PyTorchJob elastic minimum")
+    k.add_argument("--max-nodes", type=int, default=None, help="PyTorchJob elastic maximum")
+    k.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's)")
+    k.add_argument("--accelerator-resource", default=None,
+                   help="nvidia.com/gpu (default), huawei.com/Ascend910, ... or none")  # fmt: skip
+    k.add_argument("--max-restarts", type=int, default=None,
+                   help="restarts of the whole job by the operator / JobSet (default 10)")  # fmt: skip
+    k.add_argument("--grace-seconds", type=int, default=None,
+                   help="SIGTERM to SIGKILL: room for the last-gasp checkpoint (default 300)")  # fmt: skip
+    k.add_argument("--pvc", default=None, metavar="CLAIM:PATH",
+                   help="mount a PersistentVolumeClaim (shared run.dir and ledger) at PATH")  # fmt: skip
+    k.add_argument("--workdir", default=None, help="the container's working directory")
+    p.set_defaults(fn=_launch)

@@ -1,0 +1,280 @@
+"""`wanka launch --k8s`: a Kubeflow PyTorchJob (kubeflow.org/v1, elastic policy) or a JobSet
+(jobset.x-k8s.io/v1alpha2) manifest running one `wanka train` pod per node.
+
+Field names follow the published APIs: the training operator's PyTorchJob (its Python SDK,
+kubeflow-training, has the models the tests check against) and JobSet's Go types
+(sigs.k8s.io/jobset api/jobset/v1alpha2). Both put the same pod template to work: container
+`pytorch` (the operator finds its port by that name), WANKA_NODE from the downward API so the
+fault ledger records Kubernetes node names, a memory-backed /dev/shm for the in-memory
+snapshots, one pod per node (pod anti-affinity) and none on an evicted node (node affinity)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from wanka.launch import Job
+
+EXIT_PREEMPTED = 75  # wanka train's exit code after a last-gasp checkpoint
+CONTAINER = "pytorch"  # the PyTorchJob operator looks for this container ...
+PORT_NAME = "pytorchjob-port"  # ... and this port on it for the rendezvous endpoint
+REPLICATED_JOB = "node"  # JobSet: pods are <jobset>-node-<i>-0, subdomain <jobset>
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+_RESOURCE = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass
+class K8sOptions:
+    image: str
+    kind: str = "pytorchjob"  # or "jobset"
+    namespace: str | None = None
+    min_nodes: int | None = None  # PyTorchJob elastic range (default: exactly Job.nodes)
+    max_nodes: int | None = None
+    gpus_per_node: int = 0
+    accelerator: str = "nvidia.com/gpu"  # extended resource name, or "none"
+    max_restarts: int = 10  # operator / JobSet restarts of the whole job
+    grace_s: int = 300  # SIGTERM -> SIGKILL: room for the last-gasp checkpoint
+    rdzv_port: int = 29500
+    pvc: str | None = None  # "CLAIM:/mount/path": shared storage for run.dir and the ledger
+    workdir: str | None = None
+    node_label: str = "kubernetes.io/hostname"  # node label that evicted names are matched to
+
+
+def check_options(nodes: int, o: K8sOptions) -> None:
+    if nodes < 1:
+        raise ValueError(f"--nodes must be 1 or more (got {nodes})")
+    if o.kind not in ("pytorchjob", "jobset"):
+        raise ValueError(f"--kind {o.kind!r}: pytorchjob or jobset")
+    if not o.image or any(c.isspace() for c in o.image):
+        raise ValueError(f"--image {o.image!r}: a container image reference, e.g. repo/wanka:1.0")
+    if o.kind == "jobset" and (o.min_nodes is not None or o.max_nodes is not None):
+        raise ValueError("--min-nodes/--max-nodes (elastic) need --kind pytorchjob")
+    lo, hi = node_range(nodes, o)
+    if not 1 <= lo <= nodes <= hi:
+        raise ValueError(f"need 1 <= --min-nodes ({lo}) <= --nodes ({nodes}) <= "
+                         f"--max-nodes ({hi})")  # fmt: skip
+    if o.gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node must be 0 or more (got {o.gpus_per_node})")
+    if o.accelerator != "none" and not _RESOURCE.match(o.accelerator):
+        raise ValueError(f"--accelerator-resource {o.accelerator!r}: a resource name such as "
+                         "nvidia.com/gpu or huawei.com/Ascend910, or none")  # fmt: skip
+    if o.gpus_per_node and o.accelerator == "none":
+        raise ValueError(f"--gpus-per-node {o.gpus_per_node} with --accelerator-resource none: "
+                         "name the resource, or use --gpus-per-node 0 for a CPU job")  # fmt: skip
+    if o.namespace is not None and not _DNS_LABEL.match(o.namespace):
+        raise ValueError(f"--namespace {o.namespace!r}: lower-case letters, digits and '-'")
+    if o.max_restarts < 0 or o.grace_s < 0:
+        raise ValueError("--max-restarts and --grace-seconds must be 0 or more")
+    if not 0 < o.rdzv_port < 65536:
+        raise ValueError(f"--rdzv-port must be 1-65535 (got {o.rdzv_port})")
+    if o.pvc is not None:
+        claim, _, path = o.pvc.partition(":")
+        if not _DNS_LABEL.match(claim) or not path.startswith("/"):
+            raise ValueError(f"--pvc {o.pvc!r}: CLAIM:/mount/path, e.g. --pvc train-data:/data")
+
+
+def node_range(nodes: int, o: K8sOptions) -> tuple[int, int]:
+    """The elastic range (min, max) of node counts; (nodes, nodes) when not elastic."""
+    lo = nodes if o.min_nodes is None else o.min_nodes
+    hi = nodes if o.max_nodes is None else o.max_nodes
+    return lo, hi
+
+
+def _pod_template(job: Job, o: K8sOptions, command: list[str], restart: str, port: str) -> dict:
+    container: dict = {
+        "name": CONTAINER,
+        "image": o.image,
+        "command": command,
+        # The node, not the pod: what the fault ledger records and anti-affinity excludes.
+        "env": [{"name": "WANKA_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+        "ports": [{"name": port, "containerPort": o.rdzv_port, "protocol": "TCP"}],
+        # In-memory snapshots live in /dev/shm; a container's default one is 64 MiB.
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if o.gpus_per_node and o.accelerator != "none":
+        n = str(o.gpus_per_node)  # quantities are strings in the API
+        container["resources"] = {"limits": {o.accelerator: n}, "requests": {o.accelerator: n}}
+    if o.pvc:
+        claim, _, path = o.pvc.partition(":")
+        container["volumeMounts"].append({"name": "shared", "mountPath": path})
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
+    if o.workdir:
+        container["workingDir"] = o.workdir
+    affinity: dict = {
+        # One pod per node, as with Slurm's one task per node.
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"labelSelector": {"matchLabels": {INSTANCE_LABEL: job.name}},
+             "topologyKey": "kubernetes.io/hostname"}]},
+    }  # fmt: skip
+    if job.evicted:
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": o.node_label, "operator": "NotIn", "values": sorted(job.evicted)}]}]}}  # fmt: skip
+    return {
+        "metadata": {"labels": _labels(job)},
+        "spec": {
+            "restartPolicy": restart,
+            "terminationGracePeriodSeconds": o.grace_s,
+            "affinity": affinity,
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def _labels(job: Job) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "wanka", INSTANCE_LABEL: job.name}
+
+
+def _metadata(job: Job, o: K8sOptions) -> dict:
+    meta: dict = {"name": job.name, "labels": _labels(job)}
+    if o.namespace:
+        meta["namespace"] = o.namespace
+    if job.evicted:  # why nodes are excluded, for whoever reads the live object
+        reasons = "; ".join(f"{n}: {r}" for n, r in sorted(job.evicted.items()))
+        meta["annotations"] = {"wanka/evicted-nodes": reasons}
+    return meta
+
+
+def pytorchjob(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
+    """Elastic PyTorchJob: Worker replicas only; the operator sets PET_NNODES (min:max),
+    PET_RDZV_ENDPOINT (<name>-worker-0:port, whose hostname matches, so it hosts the store)
+    and PET_RDZV_ID; the kubelet expands $(VAR) in the command from the container's env."""
+    lo, hi = node_range(job.nodes, o)
+    command = [*wanka, *job.train_args(), "--nnodes", "$(PET_NNODES)", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)", "--rdzv-id", "$(PET_RDZV_ID)"]  # fmt: skip
+    # OnFailure: a container that exits (75 after a last gasp, or a crash) restarts in place
+    # and resumes from the newest checkpoint; a deleted (preempted) pod is recreated.
+    pod = _pod_template(job, o, command, "OnFailure", PORT_NAME)
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": _metadata(job, o),
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                "rdzvPort": o.rdzv_port,
+                "rdzvId": job.name,
+                "minReplicas": lo,
+                "maxReplicas": hi,
+                "maxRestarts": o.max_restarts,
+            },
+            "nprocPerNode": str(job.nproc),
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": o.max_restarts},
+            "pytorchReplicaSpecs": {
+                "Worker": {"replicas": job.nodes, "restartPolicy": "OnFailure", "template": pod}
+            },
+        },
+    }
+
+
+def jobset_endpoint(job: Job) -> str:
+    """Pod 0 of job 0, through the JobSet's headless service (subdomain = the JobSet's name)."""
+    return f"{job.name}-{REPLICATED_JOB}-0-0.{job.name}"
+
+
+def jobset(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
+    """JobSet: `nodes` single-pod Jobs. Pod 0 hosts the rendezvous store; c10d knows that by
+    resolving the endpoint to its own address, so every pod first waits for the name to be in
+    DNS (getent, from the image's libc)."""
+    host = jobset_endpoint(job)
+    wait = ('i=0; until getent hosts "$0" >/dev/null; do i=$((i+1)); if [ "$i" -ge 300 ]; then '
+            'echo "wanka: $0 not in DNS after 300 s" >&2; exit 1; fi; sleep 1; done; exec "$@"')  # fmt: skip
+    command = ["/bin/sh", "-c", wait, host, *wanka, *job.train_args(), "--nnodes", str(job.nodes),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{o.rdzv_port}",
+               "--rdzv-id", job.name]  # fmt: skip
+    pod = _pod_template(job, o, command, "Never", "rdzv")  # podFailurePolicy needs Never
+    job_spec = {
+        "parallelism": 1,
+        "completions": 1,
+        "backoffLimit": 0,  # any other failure fails the Job: the JobSet restarts all of them
+        "podFailurePolicy": {
+            "rules": [
+                # Preempted or evicted pod, or a last gasp (every node exits 75 together): a new
+                # pod, not counted as a failure; it rejoins the rendezvous and resumes.
+                {
+                    "action": "Ignore",
+                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                },
+                {
+                    "action": "Ignore",
+                    "onExitCodes": {
+                        "containerName": CONTAINER,
+                        "operator": "In",
+                        "values": [EXIT_PREEMPTED],
+                    },
+                },
+            ]
+        },
+        "template": pod,
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": _metadata(job, o),
+        "spec": {
+            "failurePolicy": {"maxRestarts": o.max_restarts},
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+            "replicatedJobs": [
+                {"name": REPLICATED_JOB, "replicas": job.nodes, "template": {"spec": job_spec}}
+            ],
+        },
+    }
+
+
+def render(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
+    check_options(job.nodes, o)
+    return (pytorchjob if o.kind == "pytorchjob" else jobset)(job, o, wanka)
+
+
+# -- YAML out (no PyYAML at run time): block style; strings plain only where YAML 1.1 and 1.2
+# both read them back as the same string, double-quoted (JSON escapes are valid YAML) otherwise.
+_PLAIN = re.compile(r"^[A-Za-z_/][A-Za-z0-9_./-]*$")
+_RESERVED = {"y", "n", "yes", "no", "on", "off", "true", "false", "null", "nan", "inf"}
+
+
+def _scalar(v: object) -> str:
+    if isinstance(v, dict | list):  # only empty ones get here
+        return "{}" if isinstance(v, dict) else "[]"
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    s = str(v)
+    if _PLAIN.match(s) and s.lower() not in _RESERVED:
+        return s
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _lines(obj: dict | list, indent: int) -> list[str]:
+    pad = " " * indent
+    out: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(v, dict | list) and v:
+                out.append(f"{pad}{_scalar(str(k))}:")
+                # A list under a key sits at the key's indent ("key:\n- item"), a dict deeper.
+                out += _lines(v, indent + 2 if isinstance(v, dict) else indent)
+            else:
+                out.append(f"{pad}{_scalar(str(k))}: {_scalar(v)}")
+        return out
+    for item in obj:
+        if isinstance(item, dict | list) and item:
+            sub = _lines(item, indent + 2)
+            out += [f"{pad}- {sub[0].lstrip()}", *sub[1:]]
+        else:
+            out.append(f"{pad}- {_scalar(item)}")
+    return out
+
+
+def to_yaml(obj: dict, header: str = "") -> str:
+    """`obj` as a YAML document, after `header` as comment lines."""
+    comments = [f"# {line}" for line in header.splitlines()]
+    return "\n".join([*comments, *_lines(obj, 0)]) + "\n"

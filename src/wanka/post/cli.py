@@ -1,0 +1,77 @@
+"""`wanka distill CONFIG` and `wanka rl CONFIG`: post-training from a trained run directory,
+on N local ranks through torchrun (or across nodes with torchrun's rendezvous flags)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from wanka.distributed.launch import RDZV_FLAGS
+
+HELP = {
+    "distill": "on-policy distillation from one teacher per prompt domain (MOPD, GKD knobs)",
+    "rl": "GRPO policy optimisation with a verifiable reward (e.g. Python that parses)",
+}
+
+
+def add_post_parsers(sub) -> None:
+    for name, text in HELP.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help="TOML job file with a [post] section (see "
+                       "docs/POST_TRAINING.md)")  # fmt: skip
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. post.init=runs/base")  # fmt: skip
+        p.add_argument("--nproc", type=int, default=1, help="ranks on this node")
+        for flag in RDZV_FLAGS:
+            p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
+                           help="passed to torchrun")  # fmt: skip
+        p.set_defaults(fn=_post)
+
+
+def _post(args: argparse.Namespace) -> int:
+    from wanka.config import load_config
+    from wanka.distributed.launch import inside_torchrun, launch, single_process_env
+    from wanka.distributed.parallel_dims import ParallelDims
+
+    cfg = load_config(args.config, args.set)
+    check = _module(args.cmd).check_distill if args.cmd == "distill" else _module(args.cmd).check_rl
+    check(cfg)
+    if cfg.parallel.cp != 1:
+        raise ValueError("post-training runs without context parallelism (completions are "
+                         "short): set parallel.cp=1")  # fmt: skip
+    if inside_torchrun():
+        return _rank(args.cmd, cfg)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be 1 or more (got {args.nproc})")
+    nnodes = int(str(args.nnodes or 1).split(":")[-1])
+    ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)  # a bad layout: one line, here
+    if args.nproc > 1 or args.nnodes is not None:
+        worker = [args.cmd, args.config, *sum((["--set", s] for s in args.set), [])]
+        rc = launch(args.nproc, {k: getattr(args, k) for k in RDZV_FLAGS}, worker)
+        if rc not in (0, 2):  # 2: a rank already printed the one-line reason
+            print(f"wanka {args.cmd}: ranks failed (exit {rc}); see {cfg.run.dir}/logs",
+                  file=sys.stderr)  # fmt: skip
+        return rc
+    single_process_env()
+    return _rank(args.cmd, cfg)
+
+
+def _module(cmd: str):
+    if cmd == "distill":
+        from wanka.post import distill
+
+        return distill
+    from wanka.post import rl
+
+    return rl
+
+
+def _rank(cmd: str, cfg) -> int:
+    import torch.distributed as dist
+
+    result = _module(cmd).main(cfg)
+    if dist.get_rank() == 0:
+        print(json.dumps({"command": cmd, "run_dir": cfg.run.dir, **result}, sort_keys=True))
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,158 @@
+"""What `wanka distill` and `wanka rl` share: process group and meshes, the policy (from
+post.init's newest checkpoint), its optimizer and rollout copy, prompts, checkpoints, metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from wanka.config.loader import dump_toml
+from wanka.config.schema import JobConfig
+from wanka.data.tokenizer import load_tokenizer
+from wanka.device import autocast_dtype, dist_backend, local_device, resolve_device_type
+from wanka.distributed.parallel_dims import ParallelDims
+from wanka.infer.generate import Generator
+from wanka.infer.sampling import Sampling
+from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
+from wanka.post.prompts import TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
+from wanka.post.rollout import Samples, assemble
+from wanka.train.checkpoint import Checkpointer
+from wanka.train.metrics import MetricsWriter
+from wanka.train.optim import build_optimizer
+
+log = logging.getLogger("wanka.post")
+
+
+@dataclass
+class PostJob:
+    cfg: JobConfig
+    dims: ParallelDims
+    device: torch.device
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    rollout: Rollout
+    tokenizer: object
+    train_prompts: list[TaggedPrompt]
+    val_prompts: list[TaggedPrompt]
+    ckpt: Checkpointer
+    metrics: MetricsWriter
+    rank: int
+    dp_rank: int
+    run_dir: Path
+    start_step: int = 0  # resumed from this run's checkpoint of that step (0: from post.init)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def prompts_for(self, step: int) -> list[TaggedPrompt]:
+        """This rank's prompts of `step`: consecutive slices of one seeded shuffle (per pass)."""
+        n, per = len(self.train_prompts), self.cfg.post.prompts_per_step
+        start = (step * self.dims.dp + self.dp_rank) * per
+        out = []
+        for i in range(start, start + per):
+            order = list(range(n))
+            random.Random(self.cfg.train.seed + i // n).shuffle(order)
+            out.append(self.train_prompts[order[i % n]])
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def sample(self, prompts: list[list[int]], step: int, salt: int = 0) -> list[list[int]]:
+        """The policy's completions (current weights): each rank samples its own prompts with
+        its own seed, so that no two ranks draw the same continuations."""
+        p = self.cfg.post
+        gen = Generator(self.rollout.model, Sampling(p.temperature, p.top_p),
+                        seed=hash((self.cfg.train.seed, step, self.rank, salt)) % 2**31)  # fmt: skip
+        return gen.generate(prompts, p.completion_tokens)
+
+    def train_state(self) -> dict:
+        return {"model_config": json.dumps(dataclasses.asdict(self.cfg.model), sort_keys=True)}
+
+
+def setup(cfg: JobConfig, command: str) -> PostJob:
+    """Process group, meshes, the policy loaded from post.init, prompts; resumes from
+    run.dir's newest checkpoint when there is one."""
+    p = cfg.post
+    device_type = resolve_device_type(cfg.run.device)
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend(device_type))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = local_device(device_type)
+    init = run_config(p.init, "post.init")
+    cfg = dataclasses.replace(cfg, model=init.model, data=init.data)  # the policy's own
+    dims = ParallelDims.from_config(cfg.parallel, world,
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # fmt: skip
+    dims.build_meshes(device_type)
+    run_dir = Path(cfg.run.dir)
+    if rank == 0:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_toml(cfg))
+    torch.manual_seed(cfg.train.seed)
+    dtype = autocast_dtype(device_type, cfg.train.mixed_precision)
+    policy = build_sharded(cfg.model, dims, device, cfg.train.seed, dtype)
+    for param in policy.mtp.parameters():  # post-training scores the main head only
+        param.requires_grad_(False)
+    optimizer = build_optimizer(policy, cfg.train)
+    ckpt = Checkpointer(run_dir / "checkpoints", policy, optimizer, cfg.checkpoint.keep,
+                        False, rank == 0)  # fmt: skip
+    tokenizer = load_tokenizer(None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
+    train_prompts, val_prompts = _prompts(cfg, dims.dp)
+    metrics = MetricsWriter(run_dir, rank == 0, cfg.train.steps, cfg.run.tensorboard)
+    job = PostJob(cfg, dims, device, policy, optimizer, Rollout(cfg.model, device), tokenizer,
+                  train_prompts, val_prompts, ckpt, metrics, rank,
+                  dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
+    job.start_step = _resume(job, p.init)
+    metrics.truncate_after(job.start_step)  # rows logged after the checkpoint were lost work
+    if job.is_main:
+        log.info("%s: %d train / %d held-out prompts over domains %s", command,
+                 len(train_prompts), len(val_prompts), domains(train_prompts))  # fmt: skip
+    return job
+
+
+def _resume(job: PostJob, init: str) -> int:
+    """This run's newest checkpoint (policy + optimizer), else post.init's weights."""
+    path = job.ckpt.latest_valid() if job.cfg.checkpoint.load != "none" else None
+    if path is None:
+        load_weights(job.policy, init, "post.init")
+        return 0
+    state = job.ckpt.load(path, job.train_state())
+    return int(state["step"])
+
+
+def _prompts(cfg: JobConfig, dp: int) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:
+    p = cfg.post
+    if p.prompts == "builtin":
+        n_domains = 2
+        need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / n_domains)
+        n = min(max(need, 1), 2000)  # more cycle: each pass is shuffled anew
+        cont = 4 * p.completion_tokens  # enough reference text for off-policy rows
+        return (builtin_prompts("train", n, p.prompt_chars, cont, cfg.train.seed),
+                builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont, cfg.train.seed + 1))  # fmt: skip
+    every = read_prompts_jsonl(p.prompts)
+    held, train = [], []
+    for d in domains(every):  # the last eval_prompts of each domain are held out
+        rows = [x for x in every if x.domain == d]
+        if len(rows) <= p.eval_prompts:
+            raise ValueError(f"{p.prompts}: domain {d!r} has {len(rows)} prompts, post."
+                             f"eval_prompts={p.eval_prompts} are held out: add prompts or "
+                             "lower post.eval_prompts")  # fmt: skip
+        train += rows[: -p.eval_prompts] if p.eval_prompts else rows
+        held += rows[-p.eval_prompts :] if p.eval_prompts else []
+    return train, held
+
+
+def completion_rows(job: PostJob, prompts: list[TaggedPrompt], completions: list[list[int]]
+                    ) -> Samples:  # fmt: skip
+    return assemble([job.encode(x.text) for x in prompts], completions, job.device)

@@ -1,0 +1,103 @@
+"""The post-training loop `wanka distill` and `wanka rl` share: steps, held-out evals,
+checkpoints and metrics. Each command supplies one step and one eval function."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from wanka.post.engine import zero_routing_counts
+from wanka.post.job import PostJob
+from wanka.post.rollout import Samples
+from wanka.train.optim import clip_grad_norm, set_lr
+
+log = logging.getLogger("wanka.post")
+
+Step = Callable[[PostJob, int], tuple[torch.Tensor, dict[str, float]]]
+Eval = Callable[[PostJob, int], dict[str, float]]
+
+
+def run(job: PostJob, step_loss: Step, evaluate: Eval) -> dict[str, float]:
+    """Train from job.start_step to train.steps; returns the final eval."""
+    cfg = job.cfg
+    start = job.start_step
+    if start == 0:
+        job.metrics.log_eval(0, evaluate(job, 0))
+    result: dict[str, float] = {}
+    for step in range(start, cfg.train.steps):
+        t0 = time.perf_counter()
+        lr = set_lr(job.optimizer, step, cfg.train)
+        loss, m = step_loss(job, step)
+        loss.backward()
+        grad_norm = clip_grad_norm(list(job.policy.parameters()), cfg.train.grad_clip)
+        if torch.isfinite(grad_norm):
+            job.optimizer.step()
+        else:  # one bad batch (say, a teacher's overflow) must not poison the weights
+            log.warning("step %d: non-finite gradient norm; update skipped", step + 1)
+        job.optimizer.zero_grad(set_to_none=True)
+        zero_routing_counts(job.policy)
+        m.update(grad_norm=float(grad_norm), lr=lr, step_time=time.perf_counter() - t0)
+        job.metrics.log_train(step + 1, m)
+        last = step + 1 == cfg.train.steps
+        if (step + 1) % cfg.train.eval_every == 0 or last:
+            result = evaluate(job, step + 1)
+            job.metrics.log_eval(step + 1, result)
+        if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or last):
+            job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
+    job.ckpt.wait()
+    job.metrics.close()
+    dist.barrier()
+    return result
+
+
+def global_sum(*values: float) -> list[float]:
+    """Sums over every rank (float64), e.g. token counts that normalise a loss."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def global_max(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def regularisers(job: PostJob, parts, s: Samples) -> torch.Tensor:
+    """What pre-training also optimises besides the LM loss, on the same scale: the indexer's
+    KL to the main attention (so DSA keeps selecting well as the weights move) and the MoE
+    balance losses."""
+    m = job.cfg.model
+    n_indexers = sum(blk.attention.indexer is not None for blk in job.policy.layers.values())
+    (tokens,) = global_sum(float(s.tokens.numel()))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (parts.kl_sum / max(tokens * n_indexers, 1)
+            + m.balance_loss_weight * parts.balance / world
+            + m.seq_balance_loss_weight * parts.seq_balance / world)  # fmt: skip
+
+
+def per_domain(values: torch.Tensor, mask: torch.Tensor, row_domains: list[str],
+               names: list[str]) -> dict[str, float]:  # fmt: skip
+    """Mean of per-token `values` over the masked tokens of each domain, over all ranks."""
+    sums = []
+    for d in names:
+        rows = torch.tensor([x == d for x in row_domains], device=values.device)
+        sel = mask & rows[:, None]
+        sums += [float(values[sel].sum()), float(sel.sum())]
+    totals = global_sum(*sums)
+    return {d: totals[2 * i] / max(totals[2 * i + 1], 1) for i, d in enumerate(names)}
+
+
+def chunks(job: PostJob, items: list) -> list[list]:
+    """This rank's share of `items` in rounds of prompts_per_step; every rank gets the same
+    number of rounds (possibly empty), since each round runs sharded forwards together."""
+    per, dp = job.cfg.post.prompts_per_step, job.dims.dp
+    rounds = -(-len(items) // (per * dp))
+    return [items[(r * dp + job.dp_rank) * per : (r * dp + job.dp_rank + 1) * per]
+            for r in range(rounds)]  # fmt: skip

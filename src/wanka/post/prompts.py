@@ -1,0 +1,201 @@
+"""Domain-tagged prompts for post-training: built from the built-in corpus, or read from JSONL.
+
+The built-in set has two domains: "code" (Python standard-library sources) and "prose" (the
+bundled pydoc topics), so multi-teacher distillation and the Python-syntax reward work with
+nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from wanka.data.corpus import Document, pydoc_documents, split_documents, stdlib_documents
+from wanka.post.rewards import python_parses, source_compiles
+
+# Documents are split once, with a fixed seed, whatever ``seed`` picks prompts with: a "val"
+# prompt never comes from a document that gives "train" prompts under any seed. Same hash and
+# seed as the built-in pretraining split (fraction 0.01, seed 0), so the documents pretraining
+# held out are among these val ones; a tenth, not a hundredth, so that prose has val
+# documents at all (about 8 of 79 pydoc topics; pretraining's val holds none).
+VAL_FRACTION = 0.1
+SPLIT_SEED = 0
+
+DOMAINS = ("code", "prose")
+
+_NEWLINE = re.compile("\n")
+
+
+@dataclass(frozen=True)
+class TaggedPrompt:
+    """A prompt, the domain whose teacher scores it, and the corpus' own continuation.
+
+    ``reference`` (empty when unknown) serves off-policy/SFT baselines and held-out losses.
+    """
+
+    text: str
+    domain: str
+    reference: str = ""
+
+
+@functools.cache
+def _splits(domain: str) -> tuple[tuple[Document, ...], tuple[Document, ...]]:
+    """(train, val) documents of a domain (loading the stdlib takes about a second: cached)."""
+    docs = stdlib_documents() if domain == "code" else pydoc_documents()
+    train, val = split_documents(docs, VAL_FRACTION, SPLIT_SEED)
+    return tuple(train), tuple(val)
+
+
+def _split_documents(domain: str, split: str) -> tuple[Document, ...]:
+    return _splits(domain)[0 if split == "train" else 1]
+
+
+def _code_prompt(
+    text: str, rng: random.Random, prompt_chars: int, cont_chars: int
+) -> tuple[str, str] | None:
+    """A prompt from a random top-level line, ending at a line boundary where it parses.
+
+    Returns (prompt, reference) or None. The prompt is at most ``prompt_chars`` and at least
+    half of it; ``reference`` is the next ``cont_chars`` characters of the document, and the
+    end is chosen so that the reference earns ``python_parses``: the reward is then achievable
+    on every prompt (by the corpus itself), and RL does not spend rollouts on prompts whose
+    natural continuation stops mid-statement (about half of all cut points otherwise).
+    """
+    # Line starts that are unindented, non-blank, not a comment or closing bracket: where a
+    # statement may begin (confirmed by parsing: a docstring's lines can look the same).
+    starts = [m.start() for m in re.finditer(r"^[^\s#)\]}]", text, re.MULTILINE)]
+    if not starts:
+        return None
+    start = rng.choice(starts)
+    ends = [m.end() for m in _NEWLINE.finditer(text, start, start + prompt_chars)]
+    for end in reversed(ends):
+        if end - start < prompt_chars // 2:
+            break
+        if len(text) - end < cont_chars:
+            continue
+        prompt, reference = text[start:end], text[end : end + cont_chars]
+        if source_compiles(prompt) and python_parses(prompt, reference) == 1.0:
+            return prompt, reference
+    return None
+
+
+def _prose_prompt(
+    text: str, rng: random.Random, prompt_chars: int, cont_chars: int
+) -> tuple[str, str] | None:
+    """A prompt from a random line start, ending just before a whitespace character."""
+    start = rng.choice([0] + [m.end() for m in re.finditer(r"\n(?=\S)", text)])
+    end = start + prompt_chars
+    while end > start and not text[end : end + 1].isspace():
+        end -= 1
+    while end > start and text[end - 1].isspace():
+        end -= 1  # end on a word: a BPE tokenizer would treat a trailing space oddly
+    if end - start < prompt_chars // 2 or len(text) - end < cont_chars:
+        return None
+    return text[start:end], text[end : end + cont_chars]
+
+
+def builtin_prompts(
+    split: str, n_per_domain: int, prompt_chars: int, continuation_chars: int, seed: int
+) -> list[TaggedPrompt]:
+    """``n_per_domain`` prompts of each built-in domain, interleaved (code, prose, code, ...).
+
+    Interleaved so that any contiguous batch mixes the domains, and each teacher gets work in
+    every step. Deterministic for ``seed``; ``split`` "val" draws from held-out documents
+    (see ``VAL_FRACTION``). Code prompts start at a top-level line and end at a line boundary
+    where the prompt parses with ``ast`` (so ``python_parses`` on a continuation is about the
+    continuation); prose prompts end before whitespace. Documents too short for a prompt and
+    its ``continuation_chars`` reference are skipped; a small split may give several prompts
+    from one document (never the same one twice). ValueError when the split cannot supply
+    ``n_per_domain`` distinct prompts.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"builtin_prompts: split must be 'train' or 'val', got {split!r}")
+    if n_per_domain < 1 or prompt_chars < 2 or continuation_chars < 1:
+        raise ValueError(
+            "builtin_prompts: need n_per_domain >= 1, prompt_chars >= 2, continuation_chars >= 1"
+            f" (got {n_per_domain}, {prompt_chars}, {continuation_chars})"
+        )
+    per_domain = [
+        _sample(domain, split, n_per_domain, prompt_chars, continuation_chars, seed)
+        for domain in DOMAINS
+    ]
+    return [p for group in zip(*per_domain) for p in group]
+
+
+def _sample(
+    domain: str, split: str, n: int, prompt_chars: int, cont_chars: int, seed: int
+) -> list[TaggedPrompt]:
+    rng = random.Random(f"wanka.post.prompts:{seed}:{split}:{domain}")
+    min_len = prompt_chars // 2 + cont_chars
+    docs = [d for d in _split_documents(domain, split) if len(d.text) >= min_len]
+    make = _code_prompt if domain == "code" else _prose_prompt
+    out: list[TaggedPrompt] = []
+    seen: set[str] = set()
+    order: list[Document] = []
+    # Visit documents in a seeded order, one attempt each per pass; small splits take several
+    # passes. The attempt cap stops a split whose documents cannot give n distinct prompts.
+    for _ in range(10 * n + 2 * len(docs)):
+        if len(out) == n or not docs:
+            break
+        if not order:
+            order = rng.sample(docs, len(docs))
+        made = make(order.pop().text, rng, prompt_chars, cont_chars)
+        if made is not None and made[0] not in seen:
+            seen.add(made[0])
+            out.append(TaggedPrompt(made[0], domain, made[1]))
+    if len(out) < n:
+        raise ValueError(
+            f"builtin_prompts: the {split} split gives only {len(out)} distinct {domain} prompts"
+            f" of {prompt_chars} chars + {cont_chars} continuation, {n} asked; ask for fewer"
+            " or shorter prompts"
+        )
+    return out
+
+
+def read_prompts_jsonl(path: str | Path) -> list[TaggedPrompt]:
+    """Prompts from a JSONL file: {"prompt": str, "domain": str, "reference": str (optional)}.
+
+    Blank lines are skipped and other keys ignored (so files made for other tools load).
+    Every problem is a one-line ValueError naming ``file:line``.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read prompts file ({e.strerror})") from None
+    prompts = []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        where = f"{path}:{lineno}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}: not UTF-8") from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        for key in ("prompt", "domain"):
+            value = obj.get(key)
+            if not isinstance(value, str) or not value:
+                got = "missing" if key not in obj else f"{type(value).__name__} {value!r:.40}"
+                raise ValueError(f'{where}: "{key}" must be a non-empty string ({got})')
+        reference = obj.get("reference", "")
+        if not isinstance(reference, str):
+            raise ValueError(f'{where}: "reference" must be a string if given')
+        prompts.append(TaggedPrompt(obj["prompt"], obj["domain"], reference))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
+    return prompts
+
+
+def domains(prompts: list[TaggedPrompt]) -> list[str]:
+    """The distinct domains, sorted (the order teachers are matched in)."""
+    return sorted({p.domain for p in prompts})

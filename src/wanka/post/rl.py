@@ -1,0 +1,107 @@
+"""`wanka rl`: GRPO with a verifiable reward.
+
+Each step every prompt gets post.samples_per_prompt completions from the current policy; a
+reward function scores each; advantages are rewards normalised within the prompt's group (no
+value model); the policy follows the clipped-ratio surrogate with a KL penalty to the frozen
+initial policy. One update per batch, so the ratio starts at 1 and the clip guards the
+update's size through the optimizer's momentum rather than across epochs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wanka.config.schema import JobConfig
+from wanka.post.engine import (
+    build_sharded,
+    frozen,
+    load_weights,
+    run_config,
+    zero_routing_counts,
+)
+from wanka.post.job import PostJob, setup
+from wanka.post.loop import chunks, global_max, global_sum, regularisers, run
+from wanka.post.losses import group_advantages, grpo_loss, token_logprobs
+from wanka.post.rewards import Reward, load_reward
+from wanka.post.rollout import assemble, row_length
+
+
+def check_rl(cfg: JobConfig) -> None:
+    p = cfg.post
+    if not p.init:
+        raise ValueError("post.init is empty: name the policy's run directory (a finished "
+                         "`wanka train` run) to start from")  # fmt: skip
+    run_config(p.init, "post.init")
+    if p.samples_per_prompt < 2:
+        raise ValueError(f"post.samples_per_prompt={p.samples_per_prompt}: GRPO compares "
+                         "samples of one prompt with each other, use 2 or more (e.g. 4)")  # fmt: skip
+    if p.clip_eps <= 0 or p.kl_coef < 0:
+        raise ValueError("post.clip_eps must be > 0 and post.kl_coef >= 0 (e.g. 0.2 and 0.04)")
+    load_reward(p.reward)  # a bad reward spec fails here, in one line, not in every rank
+
+
+def make_step(reference: torch.nn.Module, reward: Reward):
+    def step_loss(job: PostJob, step: int):
+        p = job.cfg.post
+        G = p.samples_per_prompt
+        prompts = [x for x in job.prompts_for(step) for _ in range(G)]  # groups are adjacent
+        tokens = [job.encode(x.text) for x in prompts]
+        job.rollout.sync(job.policy)
+        completions = job.sample(tokens, step)
+        texts = [job.tokenizer.decode(c) for c in completions]
+        rewards = torch.tensor([reward(x.text, t, x.domain) for x, t in zip(prompts, texts)])
+        adv = group_advantages(rewards, G).to(job.device)
+        s = assemble(tokens, completions, job.device,
+                     length=global_max(row_length(tokens, completions)))  # fmt: skip
+        (n,) = global_sum(float(s.n_tokens))
+        with torch.no_grad():
+            ref = reference(s.tokens, s.positions, s.doc_ids, s.no_labels, return_logits=True)
+            logp_ref = token_logprobs(ref.logits, s.targets)
+            zero_routing_counts(reference)
+        parts = job.policy(s.tokens, s.positions, s.doc_ids, s.no_labels, return_logits=True)
+        logp = token_logprobs(parts.logits, s.targets)
+        loss_sum, stats = grpo_loss(logp, logp.detach(), logp_ref, adv, s.mask, p.clip_eps,
+                                    p.kl_coef)  # fmt: skip
+        loss = loss_sum / max(n, 1.0) + regularisers(job, parts, s)
+        local = s.n_tokens  # the stats are token means on this rank: weight them by its tokens
+        names = sorted(stats)
+        r_sum, r_count, solved, total, *weighted = global_sum(
+            float(rewards.sum()), float(len(rewards)),
+            float((rewards.view(-1, G).max(1).values > 0).sum()), float(loss_sum.detach()),
+            *(stats[k] * local for k in names))  # fmt: skip
+        m = {"loss": total / max(n, 1.0), "reward": r_sum / r_count,
+             "groups_with_a_reward": solved / (r_count / G), "completion_tokens": n}  # fmt: skip
+        m.update({k: w / max(n, 1.0) for k, w in zip(names, weighted)})
+        return loss, m
+
+    return step_loss
+
+
+@torch.no_grad()
+def held_out_reward(job: PostJob, reward: Reward) -> dict[str, float]:
+    """Mean reward of one sampled completion per held-out prompt (a fixed seed per round)."""
+    job.rollout.sync(job.policy)
+    total = count = 0.0
+    for r, chunk in enumerate(chunks(job, job.val_prompts)):
+        if not chunk:
+            continue  # sampling runs on the rank's own copy: nothing collective to join
+        comps = job.sample([job.encode(x.text) for x in chunk], step=-1, salt=r)
+        for x, c in zip(chunk, comps):
+            total += reward(x.text, job.tokenizer.decode(c), x.domain)
+            count += 1
+    s, n = global_sum(total, count)
+    return {"val_reward": s / max(n, 1.0)}
+
+
+def main(cfg: JobConfig) -> dict[str, float]:
+    check_rl(cfg)
+    job = setup(cfg, "rl")
+    reward = load_reward(cfg.post.reward)
+    if cfg.post.prompts == "builtin" and cfg.post.reward == "python_parses":
+        # The built-in reward judges Python: the prose half of the corpus has nothing to earn.
+        job.train_prompts = [x for x in job.train_prompts if x.domain == "code"]
+        job.val_prompts = [x for x in job.val_prompts if x.domain == "code"]
+    reference = build_sharded(job.cfg.model, job.dims, job.device, job.cfg.train.seed)
+    load_weights(reference, cfg.post.init, "post.init (the KL reference)")
+    reference = frozen(reference)
+    return run(job, make_step(reference, reward), lambda job, step: held_out_reward(job, reward))

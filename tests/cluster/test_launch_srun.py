@@ -1,0 +1,158 @@
+"""`wanka launch --slurm` end to end: the generated sbatch script, run by bash (no sbatch) with
+the stand-in srun/scontrol/scancel (fake_slurm.py) first on PATH, trains a tiny job across the
+two nodes of a cluster-in-a-box. Each node's task runs in its network namespace with its own
+hostname, which resolves to its own address (as on a real cluster), so the script needs no
+testbed-specific flags: c10d finds its host by name, gloo binds the node's address.
+
+Then the time-limit path: USR1 to the batch shell (what `--signal=B:USR1@...` delivers) makes
+every rank stop at one step and checkpoint, the script requeues the job, and running the script
+again (what Slurm does with a requeued job) resumes from that checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wanka.cluster.fixtures import cluster_up, skip_unless_available
+from wanka.resilience.ledger import FaultLedger
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_SLURM = Path(__file__).with_name("fake_slurm.py")
+JOB_ID = "4242"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    skip_unless_available()
+    with cluster_up(2, link_gbit=1.0, name="wksl", subnet="10.231.13.0/24") as c:
+        yield c
+
+
+def write_script(tmp: Path, steps: int, every: int) -> Path:
+    """The sbatch script for a tiny 2-node x 1-rank job, through the real CLI handler."""
+    import argparse
+
+    from wanka.launch.cli import add_launch_parser
+
+    ledger = FaultLedger(tmp / "faults.sqlite")
+    ledger.evict("n9", "2 x hang within 3600 s")  # not in this allocation: excluded, no effect
+    sets = ["data.seq_len=64", "train.micro_batch_size=2", f"train.steps={steps}",
+            "train.warmup_steps=2", "model.index_topk=16", "train.eval_every=1000",
+            "data.val_batches=1", f"checkpoint.every={every}", "run.tensorboard=false",
+            "train.log_every=1",
+            f'run.dir="{tmp / "run"}"', f'data.cache_dir="{tmp / "cache"}"',
+            f'resilience.ledger="{tmp / "faults.sqlite"}"',
+            f'resilience.snapshot_dir="{tmp / "shm"}"']  # fmt: skip
+    argv = ["launch", "--slurm", "configs/demo.toml", "--nodes", "2", "--nproc", "1",
+            "--time", "00:10:00", "--out", str(tmp / "job.sbatch"),
+            *sum((["--set", s] for s in sets), [])]  # fmt: skip
+    p = argparse.ArgumentParser(prog="wanka")
+    add_launch_parser(p.add_subparsers(dest="cmd"))
+    a = p.parse_args(argv)
+    a.argv = argv
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        assert a.fn(a) == 0
+    finally:
+        os.chdir(cwd)
+    script = tmp / "job.sbatch"
+    assert "#SBATCH --exclude=n9" in script.read_text()
+    return script
+
+
+def start(cluster, tmp: Path, script: Path, restart: int = 0) -> subprocess.Popen:
+    """bash SCRIPT as the batch shell of job JOB_ID on nodes n0, n1 (SLURM_JOB_NODELIST n[0-1]),
+    `restart` times requeued."""
+    bin_dir = tmp / "bin"
+    subprocess.run([sys.executable, str(FAKE_SLURM), "install", str(bin_dir)], check=True)
+    nodes = cluster.state.nodes
+    hosts = tmp / "hosts"  # every node's /etc/hosts: its peers by name, as DNS would have them
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in nodes))
+    fake_nodes = [{"host": n.name, "netns": n.netns, "hosts": str(hosts)} for n in nodes]
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID,
+               SLURM_JOB_NODELIST="n[0-1]", FAKE_SLURM_NODES=json.dumps(fake_nodes),
+               FAKE_SLURM_DIR=str(tmp / "slurm"), OMP_NUM_THREADS="1",
+               SLURM_RESTART_COUNT=str(restart))  # fmt: skip
+    log = open(tmp / "slurm.out", "a")  # noqa: SIM115 - the job's output file, appended
+    return subprocess.Popen(["bash", str(script)], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(p: subprocess.Popen, tmp: Path, timeout: float = 240) -> int:
+    try:
+        return p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(
+            "the job did not end:\n" + (tmp / "slurm.out").read_text()[-4000:]
+        ) from None
+
+
+def nodes_seen(run: Path) -> set[str]:
+    """The nodes whose supervisors took part (each logs a "job" event naming its node)."""
+    lines = (run / "resilience" / "timeline.jsonl").read_text().splitlines()
+    return {e.get("node") for e in map(json.loads, lines) if e.get("kind") == "job"}
+
+
+def test_sbatch_script_trains_across_both_nodes(cluster, tmp_path):
+    script = write_script(tmp_path, steps=4, every=2)
+    rc = finish(start(cluster, tmp_path, script), tmp_path)
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 0, out[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4, summary
+    assert nodes_seen(tmp_path / "run") == {"n0", "n1"}  # WANKA_NODE = SLURMD_NODENAME
+    assert "rendezvous at n0:29500" in out
+    assert not (tmp_path / "slurm" / "requeued").exists()
+
+
+def _metrics_step(run: Path) -> int:
+    try:
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return 0
+    return max((r.get("step", 0) for r in rows if "loss" in r), default=0)
+
+
+def test_time_limit_warning_last_gasp_requeue_and_resume(cluster, tmp_path):
+    steps = 20  # the warning comes at step 2: the stop must come from the signal
+    script = write_script(tmp_path, steps=steps, every=1000)  # no periodic checkpoint
+    run = tmp_path / "run"
+    p = start(cluster, tmp_path, script)
+    deadline = time.monotonic() + 180
+    while _metrics_step(run) < 2 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
+    p.send_signal(signal.SIGUSR1)  # Slurm: `--signal=B:USR1@...` before the time limit
+    rc = finish(p, tmp_path)
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 75, out[-4000:]
+    assert (tmp_path / "slurm" / "requeued").read_text().split() == [JOB_ID]
+    # The only checkpoint is the last gasp's, at the step where the ranks stopped together.
+    stopped_at = _metrics_step(run)
+    assert 2 <= stopped_at < steps
+    ckpts = [x.name for x in (run / "checkpoints").iterdir()]
+    assert ckpts == [f"step-{stopped_at:08d}"], (ckpts, stopped_at)
+    assert not (run / "summary.json").exists()
+
+    # The requeued job: the same script, run again, resumes from the last gasp and finishes.
+    # A requeued job may land on other nodes, whose /dev/shm holds none of this job's
+    # in-memory snapshots: drop them, so the checkpoint on shared storage must serve.
+    shutil.rmtree(tmp_path / "shm")
+    rc = finish(start(cluster, tmp_path, script, restart=1), tmp_path)
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 0, out[-4000:]
+    assert "job 4242 (restart 1)" in out
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    resumes = [(e["step"], e["source"]) for e in events if e["kind"] == "resume"]
+    assert resumes == [(stopped_at, "disk")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["world_size"] == 2
