@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/wanka train configs/demo.toml --nproc 2 --set run.dir=runs/demo-$(RUN_ID)
 
+# Two at a time (pytest-xdist), then the timing-sensitive tests alone (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not serial"; a=$$?; \
+	$(PY) -m pytest -q -m "serial and not slow"; b=$$?; exit $$(( a || b ))
 
 # Drills, real benchmark runs and long compiles: not in CI (`make test`), run before a release.
 test-slow: setup

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,3 +14,26 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# Tests that measure time or CPU, or use machine-wide state (the cluster's namespaces, a
+# whole-job supervisor, /dev/shm limits): `make test` runs them one at a time, after the rest
+# ran two at a time (pytest-xdist), so that a neighbour's load never decides their outcome.
+SERIAL_DIRS = {"cluster", "integration", "lab_redteam"}
+SERIAL_FILES = {
+    "test_bench.py", "test_bench_comm.py", "test_bench_cp.py", "test_bench_moe.py",
+    "test_bench_ops.py", "test_bench_variants.py", "test_chaos_disk.py", "test_drill_cleanup.py",
+    "test_gpu_bench_script.py", "test_gpu_train_smoke.py", "test_hang_grace.py",
+    "test_lab_cheats.py", "test_lab_evaluator.py", "test_lab_integrity.py", "test_lab_llm.py",
+    "test_lab_redteam.py", "test_lab_sandbox.py", "test_lab_search.py",
+    "test_lab_store_report.py", "test_memory_estimate.py", "test_resilience.py",
+    "test_run_lock.py", "test_snapshot_full_shm.py", "test_preflight_live.py", "test_snapshot.py",
+}  # fmt: skip
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.path.resolve().relative_to(TESTS)
+        if SERIAL_DIRS.intersection(rel.parts[:-1]) or rel.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
