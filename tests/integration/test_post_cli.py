@@ -42,6 +42,15 @@ def base(tmp_path_factory) -> Path:
         ("rl", ["post.reward=no_such_module:fn"], "no_such_module"),
         ("rl", ["post.init=/nonexistent/run"], "not a run directory"),
         ("rl", ["post.divergence=kl"], "post.divergence"),
+        ("distill", ["post.prompts_per_step=0"], "post.prompts_per_step=0"),
+        ("rl", ["post.completion_tokens=0"], "post.completion_tokens=0"),
+        ("rl", ["checkpoint.every=0"], "checkpoint.every=0"),
+        ("distill", ["post.top_p=0"], "post.top_p=0"),
+        ("distill", ["post.temperature=0"], "must be > 0"),
+        ("rl", ["post.temperature=0.7"], "temperature 1"),
+        ("rl", ["post.updates_per_batch=0"], "post.updates_per_batch=0"),
+        ("rl", ["parallel.ep=3"], "n_experts"),  # judged against post.init's model (8 experts)
+        ("distill", ["parallel.cp=2"], "parallel.cp=1"),
     ],
 )
 def test_bad_post_training_input_is_one_line(command, overrides, says, tmp_path, capsys):
@@ -63,18 +72,20 @@ def test_bad_post_training_input_is_one_line(command, overrides, says, tmp_path,
 
 def test_rl_with_a_user_reward_function(base, tmp_path):
     (tmp_path / "my_reward.py").write_text(
-        "def spaces(prompt, completion, domain):\n"
-        "    return completion.count(' ') / max(len(completion), 1)\n"
+        "def quarter(prompt, completion, domain):\n"
+        "    assert domain in ('code', 'prose') and isinstance(completion, str)\n"
+        "    return 0.25\n"
     )
     out = tmp_path / "rl"
-    given = [f"run.dir={out}", f"post.init={base}", "post.reward=my_reward:spaces", "train.steps=1",
+    given = [f"run.dir={out}", f"post.init={base}", "post.reward=my_reward:quarter", "train.steps=1",
              "post.completion_tokens=8", "post.eval_prompts=1", "post.samples_per_prompt=2",
              "post.prompts_per_step=1", "run.tensorboard=false"]  # fmt: skip
     r = wanka("rl", "configs/rl.toml", *sets(*given), env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["command"] == "rl" and 0.0 <= result["val_reward"] <= 1.0
+    assert result["command"] == "rl" and result["val_reward"] == 0.25  # the user's function
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     [train] = [x for x in rows if x["kind"] == "train"]
-    assert 0.0 <= train["reward"] <= 1.0 and train["completion_tokens"] > 0
+    assert train["reward"] == 0.25 and train["completion_tokens"] > 0
+    assert train["groups_with_a_reward"] == 1.0 and train["kl_mean"] == 0.0  # equal rewards
     assert (out / "checkpoints" / "step-00000001").is_dir()

@@ -214,7 +214,8 @@ class PostConfig:
     beta: float = 0.5  # jsd interpolation
     on_policy_fraction: float = 1.0  # GKD's lambda: else the corpus continuation is used
     reward: str = "python_parses"  # rl: a built-in reward or "package.module:function"
-    clip_eps: float = 0.2  # rl: PPO ratio clip
+    clip_eps: float = 0.2  # rl: PPO ratio clip (acts when updates_per_batch > 1)
+    updates_per_batch: int = 1  # rl: optimizer steps on each batch of samples (PPO epochs)
     kl_coef: float = 0.04  # rl: KL to the frozen initial policy
     eval_prompts: int = 16  # held-out prompts per domain for the eval
 

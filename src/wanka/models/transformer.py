@@ -149,7 +149,10 @@ class Transformer(nn.Module):
             if losses is not None:
                 moe_losses.append(losses)
         logits = self._logits(self.norm(h))
-        lm_sum, lm_count = _ce(logits, labels)
+        if return_logits:  # the caller scores the logits itself: no fp32 [B, L, V] copy here
+            lm_sum, lm_count = logits.new_zeros(()), labels.new_zeros(())
+        else:
+            lm_sum, lm_count = _ce(logits, labels)
 
         mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
         for d, mtp in enumerate(self.mtp if not return_logits else (), start=1):

@@ -33,13 +33,12 @@ def _post(args: argparse.Namespace) -> int:
     from wanka.config import load_config
     from wanka.distributed.launch import inside_torchrun, launch, single_process_env
     from wanka.distributed.parallel_dims import ParallelDims
+    from wanka.post.checks import with_policy_model
 
-    cfg = load_config(args.config, args.set)
+    # Validated once post.init's [model] is in: parallel.ep is judged against its experts.
+    cfg = with_policy_model(load_config(args.config, args.set, check=False))
     check = _module(args.cmd).check_distill if args.cmd == "distill" else _module(args.cmd).check_rl
     check(cfg)
-    if cfg.parallel.cp != 1:
-        raise ValueError("post-training runs without context parallelism (completions are "
-                         "short): set parallel.cp=1")  # fmt: skip
     if inside_torchrun():
         return _rank(args.cmd, cfg)
     if args.nproc < 1:

@@ -14,6 +14,7 @@ import random
 import torch
 
 from wanka.config.schema import JobConfig
+from wanka.post.checks import check_common, check_frozen_model, check_length
 from wanka.post.engine import build_sharded, frozen, load_weights, run_config, zero_routing_counts
 from wanka.post.job import PostJob, setup
 from wanka.post.loop import chunks, global_max, global_sum, per_domain, regularisers, run
@@ -52,9 +53,11 @@ def check_distill(cfg: JobConfig) -> None:
     if not p.init:
         raise ValueError("post.init is empty: name the student's run directory (a finished "
                          "`wanka train` run) to distill into")  # fmt: skip
+    check_common(cfg, samples_from_policy=p.on_policy_fraction > 0)
     run_config(p.init, "post.init")
     for domain, run_dir in parse_teachers(p.teachers).items():
-        run_config(run_dir, f"teacher for {domain!r}")
+        role = f"teacher for {domain!r}"
+        check_frozen_model(cfg, run_config(run_dir, role).model, role)
     if p.estimator == "sampled":
         if p.divergence != "reverse_kl":
             raise ValueError("post.estimator='sampled' estimates the reverse KL only: set "
@@ -82,7 +85,9 @@ class Teachers:
                                  f"student ({job.cfg.data.tokenizer}, "
                                  f"{job.cfg.model.vocab_size}): distillation compares "
                                  "distributions token by token")  # fmt: skip
-            model = build_sharded(tcfg.model, job.dims, job.device, job.cfg.train.seed)
+            check_length(job.longest_prompt, job.cfg.post.completion_tokens, tcfg.model, role)
+            model = build_sharded(tcfg.model, job.dims, job.device, job.cfg.train.seed,
+                                  job.param_dtype)  # fmt: skip
             load_weights(model, run_dir, role)
             self.models[domain] = frozen(model)
         missing = sorted(set(domains(job.train_prompts)) - set(self.models))
@@ -151,7 +156,7 @@ def make_step(teachers: Teachers):
         m = {"loss": div / max(n, 1.0), "on_policy": float(on_policy),
              "tokens_processed": processed, "completion_tokens": n}  # fmt: skip
         m.update({f"divergence/{d}": v for d, v in by_domain.items()})
-        return loss, m
+        return iter([loss]), m
 
     return step_loss
 

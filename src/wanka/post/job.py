@@ -23,6 +23,7 @@ from wanka.device import autocast_dtype, dist_backend, local_device, resolve_dev
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
+from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
 from wanka.post.prompts import TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
 from wanka.post.rollout import Samples, assemble
@@ -50,6 +51,9 @@ class PostJob:
     dp_rank: int
     run_dir: Path
     start_step: int = 0  # resumed from this run's checkpoint of that step (0: from post.init)
+    param_dtype: torch.dtype | None = None  # compute dtype (teachers and reference use it too)
+    longest_prompt: int = 0  # tokens, over every train and held-out prompt
+    _orders: dict = dataclasses.field(default_factory=dict)  # pass -> shuffled prompt order
 
     @property
     def is_main(self) -> bool:
@@ -61,9 +65,11 @@ class PostJob:
         start = (step * self.dims.dp + self.dp_rank) * per
         out = []
         for i in range(start, start + per):
-            order = list(range(n))
-            random.Random(self.cfg.train.seed + i // n).shuffle(order)
-            out.append(self.train_prompts[order[i % n]])
+            if i // n not in self._orders:
+                order = list(range(n))
+                random.Random(self.cfg.train.seed + i // n).shuffle(order)
+                self._orders = {i // n: order}  # one pass at a time is enough
+            out.append(self.train_prompts[self._orders[i // n][i % n]])
         return out
 
     def encode(self, text: str) -> list[int]:
@@ -113,8 +119,12 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     job = PostJob(cfg, dims, device, policy, optimizer, Rollout(cfg.model, device), tokenizer,
                   train_prompts, val_prompts, ckpt, metrics, rank,
                   dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
+    job.param_dtype = dtype
+    job.longest_prompt = max(len(job.encode(x.text)) for x in train_prompts + val_prompts)
+    check_length(job.longest_prompt, p.completion_tokens, cfg.model, "post.init")
     job.start_step = _resume(job, p.init)
-    metrics.truncate_after(job.start_step)  # rows logged after the checkpoint were lost work
+    # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
+    metrics.truncate_after(job.start_step if job.start_step else -1)
     if job.is_main:
         log.info("%s: %d train / %d held-out prompts over domains %s", command,
                  len(train_prompts), len(val_prompts), domains(train_prompts))  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,29 +17,35 @@ from wanka.train.optim import clip_grad_norm, set_lr
 
 log = logging.getLogger("wanka.post")
 
-Step = Callable[[PostJob, int], tuple[torch.Tensor, dict[str, float]]]
+# A step yields one loss per optimizer update on its batch (GRPO may update several times on
+# one batch of samples; distillation once), and fills its metrics dict as it goes.
+Step = Callable[[PostJob, int], tuple[Iterator[torch.Tensor], dict[str, float]]]
 Eval = Callable[[PostJob, int], dict[str, float]]
 
 
-def run(job: PostJob, step_loss: Step, evaluate: Eval) -> dict[str, float]:
-    """Train from job.start_step to train.steps; returns the final eval."""
+def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
+    """Train from job.start_step to train.steps; returns the last eval."""
     cfg = job.cfg
     start = job.start_step
     if start == 0:
         job.metrics.log_eval(0, evaluate(job, 0))
     result: dict[str, float] = {}
+    params = list(job.policy.parameters())
+    # Under HSDP a replica holds every gradient element once: the norm sums over one replica.
+    shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         lr = set_lr(job.optimizer, step, cfg.train)
-        loss, m = step_loss(job, step)
-        loss.backward()
-        grad_norm = clip_grad_norm(list(job.policy.parameters()), cfg.train.grad_clip)
-        if torch.isfinite(grad_norm):
-            job.optimizer.step()
-        else:  # one bad batch (say, a teacher's overflow) must not poison the weights
-            log.warning("step %d: non-finite gradient norm; update skipped", step + 1)
-        job.optimizer.zero_grad(set_to_none=True)
-        zero_routing_counts(job.policy)
+        losses, m = step_fn(job, step)
+        for loss in losses:
+            loss.backward()
+            grad_norm = clip_grad_norm(params, cfg.train.grad_clip, group=shard)
+            if torch.isfinite(grad_norm):
+                job.optimizer.step()
+            else:  # one bad batch (say, a teacher's overflow) must not poison the weights
+                log.warning("step %d: non-finite gradient norm; update skipped", step + 1)
+            job.optimizer.zero_grad(set_to_none=True)
+            zero_routing_counts(job.policy)
         m.update(grad_norm=float(grad_norm), lr=lr, step_time=time.perf_counter() - t0)
         job.metrics.log_train(step + 1, m)
         last = step + 1 == cfg.train.steps

@@ -3,15 +3,20 @@
 Each step every prompt gets post.samples_per_prompt completions from the current policy; a
 reward function scores each; advantages are rewards normalised within the prompt's group (no
 value model); the policy follows the clipped-ratio surrogate with a KL penalty to the frozen
-initial policy. One update per batch, so the ratio starts at 1 and the clip guards the
-update's size through the optimizer's momentum rather than across epochs.
+initial policy. post.updates_per_batch > 1 takes several optimizer steps on one batch of
+samples (PPO epochs): the ratio is then against the sampling policy and the clip bounds how
+far the later updates move; with one update the ratio is 1 and the loss is the plain policy
+gradient plus the KL term.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from wanka.config.schema import JobConfig
+from wanka.post.checks import check_common
 from wanka.post.engine import (
     build_sharded,
     frozen,
@@ -32,6 +37,14 @@ def check_rl(cfg: JobConfig) -> None:
         raise ValueError("post.init is empty: name the policy's run directory (a finished "
                          "`wanka train` run) to start from")  # fmt: skip
     run_config(p.init, "post.init")
+    check_common(cfg, samples_from_policy=True)
+    if p.temperature != 1.0 or p.top_p != 1.0:
+        raise ValueError("wanka rl samples at temperature 1 and top_p 1: the ratio and the KL "
+                         "are computed for the policy's own distribution (set post.temperature"
+                         "=1, post.top_p=1)")  # fmt: skip
+    if p.updates_per_batch < 1:
+        raise ValueError(f"post.updates_per_batch={p.updates_per_batch}: at least 1 update "
+                         "per batch of samples")  # fmt: skip
     if p.samples_per_prompt < 2:
         raise ValueError(f"post.samples_per_prompt={p.samples_per_prompt}: GRPO compares "
                          "samples of one prompt with each other, use 2 or more (e.g. 4)")  # fmt: skip
@@ -40,8 +53,23 @@ def check_rl(cfg: JobConfig) -> None:
     load_reward(p.reward)  # a bad reward spec fails here, in one line, not in every rank
 
 
+def _rewards(reward: Reward, prompts, texts: list[str], spec: str) -> torch.Tensor:
+    values = []
+    for x, t in zip(prompts, texts):
+        r = reward(x.text, t, x.domain)
+        try:
+            r = float(r)
+        except (TypeError, ValueError):
+            r = math.nan
+        if not math.isfinite(r):
+            raise ValueError(f"post.reward={spec!r} returned {r!r} for a completion: a reward "
+                             "must be a finite number")  # fmt: skip
+        values.append(r)
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def make_step(reference: torch.nn.Module, reward: Reward):
-    def step_loss(job: PostJob, step: int):
+    def step(job: PostJob, step: int):
         p = job.cfg.post
         G = p.samples_per_prompt
         prompts = [x for x in job.prompts_for(step) for _ in range(G)]  # groups are adjacent
@@ -49,8 +77,8 @@ def make_step(reference: torch.nn.Module, reward: Reward):
         job.rollout.sync(job.policy)
         completions = job.sample(tokens, step)
         texts = [job.tokenizer.decode(c) for c in completions]
-        rewards = torch.tensor([reward(x.text, t, x.domain) for x, t in zip(prompts, texts)])
-        adv = group_advantages(rewards, G).to(job.device)
+        rewards = _rewards(reward, prompts, texts, p.reward)
+        adv = group_advantages(rewards, G).float().to(job.device)
         s = assemble(tokens, completions, job.device,
                      length=global_max(row_length(tokens, completions)))  # fmt: skip
         (n,) = global_sum(float(s.n_tokens))
@@ -58,23 +86,39 @@ def make_step(reference: torch.nn.Module, reward: Reward):
             ref = reference(s.tokens, s.positions, s.doc_ids, s.no_labels, return_logits=True)
             logp_ref = token_logprobs(ref.logits, s.targets)
             zero_routing_counts(reference)
-        parts = job.policy(s.tokens, s.positions, s.doc_ids, s.no_labels, return_logits=True)
-        logp = token_logprobs(parts.logits, s.targets)
-        loss_sum, stats = grpo_loss(logp, logp.detach(), logp_ref, adv, s.mask, p.clip_eps,
-                                    p.kl_coef)  # fmt: skip
-        loss = loss_sum / max(n, 1.0) + regularisers(job, parts, s)
-        local = s.n_tokens  # the stats are token means on this rank: weight them by its tokens
-        names = sorted(stats)
-        r_sum, r_count, solved, total, *weighted = global_sum(
+            # The sampling policy's log-probs (its weights are the policy's before any update
+            # on this batch): the ratio of later updates, which the clip bounds, is against it.
+            old = None
+            if p.updates_per_batch > 1:
+                parts = job.policy(s.tokens, s.positions, s.doc_ids, s.no_labels,
+                                   return_logits=True)  # fmt: skip
+                old = token_logprobs(parts.logits, s.targets)
+                zero_routing_counts(job.policy)
+        r_sum, r_count, solved = global_sum(
             float(rewards.sum()), float(len(rewards)),
-            float((rewards.view(-1, G).max(1).values > 0).sum()), float(loss_sum.detach()),
-            *(stats[k] * local for k in names))  # fmt: skip
-        m = {"loss": total / max(n, 1.0), "reward": r_sum / r_count,
-             "groups_with_a_reward": solved / (r_count / G), "completion_tokens": n}  # fmt: skip
-        m.update({k: w / max(n, 1.0) for k, w in zip(names, weighted)})
-        return loss, m
+            float((rewards.view(-1, G).max(1).values > 0).sum()))  # fmt: skip
+        m = {"reward": r_sum / r_count, "groups_with_a_reward": solved / (r_count / G),
+             "completion_tokens": n}  # fmt: skip
 
-    return step_loss
+        def updates():
+            for _ in range(p.updates_per_batch):
+                parts = job.policy(s.tokens, s.positions, s.doc_ids, s.no_labels,
+                                   return_logits=True)  # fmt: skip
+                logp = token_logprobs(parts.logits, s.targets)
+                loss_sum, stats = grpo_loss(logp, logp.detach() if old is None else old,
+                                            logp_ref, adv, s.mask, p.clip_eps, p.kl_coef)  # fmt: skip
+                # The stats are token means on this rank: weight them by its tokens. The last
+                # update's values are what is logged.
+                names = sorted(stats)
+                total, *weighted = global_sum(float(loss_sum.detach()),
+                                              *(stats[k] * s.n_tokens for k in names))  # fmt: skip
+                m["loss"] = total / max(n, 1.0)
+                m.update({k: w / max(n, 1.0) for k, w in zip(names, weighted)})
+                yield loss_sum / max(n, 1.0) + regularisers(job, parts, s)
+
+        return updates(), m
+
+    return step
 
 
 @torch.no_grad()
@@ -86,11 +130,11 @@ def held_out_reward(job: PostJob, reward: Reward) -> dict[str, float]:
         if not chunk:
             continue  # sampling runs on the rank's own copy: nothing collective to join
         comps = job.sample([job.encode(x.text) for x in chunk], step=-1, salt=r)
-        for x, c in zip(chunk, comps):
-            total += reward(x.text, job.tokenizer.decode(c), x.domain)
-            count += 1
+        texts = [job.tokenizer.decode(c) for c in comps]
+        total += float(_rewards(reward, chunk, texts, job.cfg.post.reward).sum())
+        count += len(chunk)
     s, n = global_sum(total, count)
-    return {"val_reward": s / max(n, 1.0)}
+    return {"val_reward": s / n} if n else {}  # no held-out prompts: nothing to report
 
 
 def main(cfg: JobConfig) -> dict[str, float]:
@@ -101,7 +145,8 @@ def main(cfg: JobConfig) -> dict[str, float]:
         # The built-in reward judges Python: the prose half of the corpus has nothing to earn.
         job.train_prompts = [x for x in job.train_prompts if x.domain == "code"]
         job.val_prompts = [x for x in job.val_prompts if x.domain == "code"]
-    reference = build_sharded(job.cfg.model, job.dims, job.device, job.cfg.train.seed)
+    reference = build_sharded(job.cfg.model, job.dims, job.device, job.cfg.train.seed,
+                              job.param_dtype)  # fmt: skip
     load_weights(reference, cfg.post.init, "post.init (the KL reference)")
     reference = frozen(reference)
     return run(job, make_step(reference, reward), lambda job, step: held_out_reward(job, reward))
