@@ -250,8 +250,8 @@ def test_evicted_nodes_get_node_anti_affinity(tmp_path, ledger, kind):
     doc = launch(*args, out=tmp_path / "b.yaml")
     aff = pod_spec(doc)["affinity"]
     terms = aff["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms == {"nodeSelectorTerms": [{"matchExpressions": [
-        {"key": "kubernetes.io/hostname", "operator": "NotIn",
+    assert terms == {"nodeSelectorTerms": [{"matchFields": [
+        {"key": "metadata.name", "operator": "NotIn",
          "values": ["gke-pool-a-3", "gke-pool-b-7"]}]}]}  # fmt: skip
     # And one pod per node: this job's pods repel each other on a hostname.
     (anti,) = aff["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -267,7 +267,7 @@ def test_evicted_nodes_get_node_anti_affinity(tmp_path, ledger, kind):
     terms = pod_spec(doc)["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]
-    assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["gke-pool-b-7"]
+    assert terms["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["gke-pool-b-7"]
 
 
 def _train_args(command: list[str]) -> argparse.Namespace:
@@ -289,6 +289,37 @@ def test_pytorchjob_command_uses_the_operators_rendezvous(tmp_path, ledger):
     assert (a.config, a.nproc, a.set) == (CONFIG, 4, ["train.steps=9"])
     rdzv = (a.nnodes, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id)
     assert rdzv == ("2:2", "c10d", "demo-worker-0:29500", "demo")
+
+
+def _kubelet(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's expansion of a command argument: $$ -> $, $(VAR) -> its value when VAR
+    is in the container's env (else left as written)."""
+    return re.sub(
+        r"\$\$|\$\((\w+)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        arg,
+    )
+
+
+@pytest.mark.parametrize("kind", ["pytorchjob", "jobset"])
+def test_user_text_reaches_wanka_train_unexpanded(tmp_path, ledger, kind):
+    value = 'run.dir="/data/run $(WANKA_NODE) $$HOME"'
+    doc = launch("--nodes", "2", "--image", "wanka:1", "--kind", kind, "--ledger", ledger,
+                 "--set", value, out=tmp_path / "x.yaml")  # fmt: skip
+    env = {"WANKA_NODE": "n7", "PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": "e:1", "PET_RDZV_ID": "i"}
+    cmd = [_kubelet(x, env) for x in pod_spec(doc)["containers"][0]["command"]]
+    assert value in cmd  # exactly what was checked locally, not each pod's own run.dir
+    assert _kubelet("$(WANKA_NODE)", env) == "n7"  # the stand-in kubelet does expand
+
+
+def test_every_node_count_of_the_elastic_range_must_fit(tmp_path, ledger):
+    # demo: ep = 2 with 1 rank per node: 2 and 4 nodes fit, 3 does not, and torchrun may form 3.
+    with pytest.raises(ValueError, match="3"):
+        launch("--nodes", "2", "--min-nodes", "2", "--max-nodes", "4", "--image", "w:1",
+               "--ledger", ledger, out=tmp_path / "x.yaml")  # fmt: skip
+    doc = launch("--nodes", "2", "--min-nodes", "2", "--max-nodes", "2", "--image", "w:1",
+                 "--max-restarts", "5", "--ledger", ledger, out=tmp_path / "y.yaml")  # fmt: skip
+    assert doc["spec"]["runPolicy"]["backoffLimit"] == 5 * 2  # restarts summed over pods
 
 
 def test_jobset_command_waits_for_dns_then_runs_wanka(tmp_path, ledger):

@@ -95,7 +95,7 @@ def test_directives_and_train_command(tmp_path):
     assert rdzv == ("c10d", "$head:29500", "$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}")
     assert a.set == [f'run.dir="{tmp_path / "run"}"', "train.steps=7"]
     srun = next(x for x in script.splitlines() if x.startswith("srun "))
-    assert "--wait=120" in srun and "--kill-on-bad-exit" not in srun
+    assert "--wait=120" in srun and "--kill-on-bad-exit=0" in srun  # explicit: sites set it
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
 
 
@@ -279,7 +279,7 @@ def test_negative_control_kill_on_bad_exit_would_kill_the_slower_node(tmp_path):
     """Why the script uses srun --wait: with --kill-on-bad-exit, the first node to exit 75
     gets the slower one terminated in the middle of its own last gasp; no requeue follows."""
     script = stub_script(tmp_path)
-    broken = script.replace("--wait=120", "--kill-on-bad-exit=1")
+    broken = script.replace("--kill-on-bad-exit=0", "--kill-on-bad-exit=1")
     assert broken != script
     rc, _, terms, err = run_script(tmp_path, broken, seconds=30, send=signal.SIGUSR1,
                                    STUB_GASP_1="1.5")  # fmt: skip

@@ -7,6 +7,7 @@ anything is written (see docs/LAUNCH.md)."""
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,11 @@ def check_job(config: str, sets: list[str], nodes: int, nproc: int,
 def evicted_nodes(ledger: str | None) -> dict[str, str]:
     """node -> reason for the nodes the fault ledger has evicted; {} with no ledger file yet
     (no supervised job has run) or with `--ledger none`."""
-    if not ledger or ledger.lower() == "none" or not Path(ledger).exists():
+    if not ledger or ledger.lower() == "none":
+        return {}
+    if not Path(ledger).exists():  # said, not silent: a mistyped path would exclude nothing
+        print(f"wanka launch: no fault ledger at {ledger}: no node excluded (pass --ledger PATH "
+              "of the jobs' resilience.ledger, or --ledger none)", file=sys.stderr)  # fmt: skip
         return {}
     from wanka.resilience.ledger import FaultLedger
 

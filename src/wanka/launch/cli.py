@@ -93,7 +93,8 @@ def _k8s(a: argparse.Namespace) -> int:
     check_options(a.nodes, opts)
     # The config path is the container's: as given, relative to its working directory. The
     # config must fit every node count of the elastic range.
-    job = _job(a, a.config, node_range(a.nodes, opts))
+    lo, hi = node_range(a.nodes, opts)
+    job = _job(a, a.config, tuple(range(lo, hi + 1)))  # torchrun may form any size in between
     wanka = shlex.split(a.wanka) if a.wanka else ["wanka"]
     doc = render(job, opts, wanka)
     header = (f"{doc['kind']} {job.name}: {job.nodes} node(s) x {job.nproc} rank(s) of "

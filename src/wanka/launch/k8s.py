@@ -41,7 +41,6 @@ class K8sOptions:
     rdzv_port: int = 29500
     pvc: str | None = None  # "CLAIM:/mount/path": shared storage for run.dir and the ledger
     workdir: str | None = None
-    node_label: str = "kubernetes.io/hostname"  # node label that evicted names are matched to
 
 
 def check_options(nodes: int, o: K8sOptions) -> None:
@@ -112,9 +111,11 @@ def _pod_template(job: Job, o: K8sOptions, command: list[str], restart: str, por
              "topologyKey": "kubernetes.io/hostname"}]},
     }  # fmt: skip
     if job.evicted:
+        # The ledger names nodes by spec.nodeName (WANKA_NODE), i.e. the Node object's name:
+        # matched as a field, not through a label that may differ from it.
         affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchExpressions": [
-                {"key": o.node_label, "operator": "NotIn", "values": sorted(job.evicted)}]}]}}  # fmt: skip
+            "nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "NotIn", "values": sorted(job.evicted)}]}]}}  # fmt: skip
     return {
         "metadata": {"labels": _labels(job)},
         "spec": {
@@ -146,7 +147,7 @@ def pytorchjob(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
     PET_RDZV_ENDPOINT (<name>-worker-0:port, whose hostname matches, so it hosts the store)
     and PET_RDZV_ID; the kubelet expands $(VAR) in the command from the container's env."""
     lo, hi = node_range(job.nodes, o)
-    command = [*wanka, *job.train_args(), "--nnodes", "$(PET_NNODES)", "--rdzv-backend", "c10d",
+    command = [*_literal([*wanka, *job.train_args()]), "--nnodes", "$(PET_NNODES)", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", "$(PET_RDZV_ENDPOINT)", "--rdzv-id", "$(PET_RDZV_ID)"]  # fmt: skip
     # OnFailure: a container that exits (75 after a last gasp, or a crash) restarts in place
     # and resumes from the newest checkpoint; a deleted (preempted) pod is recreated.
@@ -165,12 +166,20 @@ def pytorchjob(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
                 "maxRestarts": o.max_restarts,
             },
             "nprocPerNode": str(job.nproc),
-            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": o.max_restarts},
+            # The operator counts container restarts summed over all pods: a stop that every
+            # node takes together (exit 75 after a last gasp) counts once per node.
+            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": o.max_restarts * hi},
             "pytorchReplicaSpecs": {
                 "Worker": {"replicas": job.nodes, "restartPolicy": "OnFailure", "template": pod}
             },
         },
     }
+
+
+def _literal(args: list[str]) -> list[str]:
+    """The kubelet expands $(VAR) in a container's command from its env and turns $$ into $:
+    user text (config path, --set values) must reach `wanka train` exactly as checked here."""
+    return [a.replace("$", "$$") for a in args]
 
 
 def jobset_endpoint(job: Job) -> str:
@@ -185,7 +194,7 @@ def jobset(job: Job, o: K8sOptions, wanka: list[str]) -> dict:
     host = jobset_endpoint(job)
     wait = ('i=0; until getent hosts "$0" >/dev/null; do i=$((i+1)); if [ "$i" -ge 300 ]; then '
             'echo "wanka: $0 not in DNS after 300 s" >&2; exit 1; fi; sleep 1; done; exec "$@"')  # fmt: skip
-    command = ["/bin/sh", "-c", wait, host, *wanka, *job.train_args(), "--nnodes", str(job.nodes),
+    command = ["/bin/sh", "-c", wait, host, *_literal([*wanka, *job.train_args()]), "--nnodes", str(job.nodes),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{o.rdzv_port}",
                "--rdzv-id", job.name]  # fmt: skip
     pod = _pod_template(job, o, command, "Never", "rdzv")  # podFailurePolicy needs Never

@@ -159,9 +159,9 @@ trap 'request_stop preempted' TERM
 # an earlier run of this job (killed before it could release it) for a peer's.
 # --wait: once one node's `wanka train` has ended, the others get {STEP_WAIT_S} s to end too (all
 # end within seconds of each other after a last gasp; the peers of a failed node are stopped
-# then). Not --kill-on-bad-exit: the first node to exit 75 would get its peers killed in the
-# middle of their own exit.
-srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 --wait={STEP_WAIT_S} \\
+# then). --kill-on-bad-exit=0, explicitly (a site may default it on): the first node to exit 75
+# would get its peers killed in the middle of their own exit.
+srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 --wait={STEP_WAIT_S} --kill-on-bad-exit=0 \\
   bash -c 'export WANKA_NODE="$SLURMD_NODENAME"; exec "$@"' wanka-task \\
   {train} \\
   --nnodes {job.nodes} --rdzv-backend c10d --rdzv-endpoint "$head:{port}" \\
