@@ -89,3 +89,20 @@ def test_rl_with_a_user_reward_function(base, tmp_path):
     assert train["reward"] == 0.25 and train["completion_tokens"] > 0
     assert train["groups_with_a_reward"] == 1.0 and train["kl_mean"] == 0.0  # equal rewards
     assert (out / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_supervised_rl_recovers_from_a_killed_rank(base, tmp_path):
+    """The resilience layer as for `wanka train`: a rank killed mid-job is detected by the
+    supervisor and the job restarts from its last checkpoint and finishes."""
+    out = tmp_path / "sup"
+    given = [f"run.dir={out}", f"post.init={base}", "train.steps=3", "checkpoint.every=1",
+             "post.completion_tokens=8", "post.eval_prompts=1", "post.samples_per_prompt=2",
+             "post.prompts_per_step=1", "run.tensorboard=false", "resilience.snapshot_every=0",
+             f"resilience.ledger={tmp_path / 'faults.sqlite'}", "resilience.hang_floor_s=30"]  # fmt: skip
+    r = wanka("rl", "configs/rl.toml", "--nproc", "2", "--chaos", "kill@step=2,rank=1",
+              *sets(*given), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "process_crash" in r.stderr and "restart 1" in r.stderr, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if x["kind"] == "train"][-1] == 3
+    assert (out / "checkpoints" / "step-00000003").is_dir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from wanka.distributed.launch import RDZV_FLAGS
@@ -23,6 +24,8 @@ def add_post_parsers(sub) -> None:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config field, e.g. post.init=runs/base")  # fmt: skip
         p.add_argument("--nproc", type=int, default=1, help="ranks on this node")
+        p.add_argument("--chaos", default="", metavar="SCHEDULE",
+                       help="inject faults, e.g. 'kill@step=3,rank=1' (see wanka chaos)")  # fmt: skip
         for flag in RDZV_FLAGS:
             p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
                            help="passed to torchrun")  # fmt: skip
@@ -31,7 +34,7 @@ def add_post_parsers(sub) -> None:
 
 def _post(args: argparse.Namespace) -> int:
     from wanka.config import load_config
-    from wanka.distributed.launch import inside_torchrun, launch, single_process_env
+    from wanka.distributed.launch import inside_torchrun
     from wanka.distributed.parallel_dims import ParallelDims
     from wanka.post.checks import with_policy_model
 
@@ -45,9 +48,28 @@ def _post(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be 1 or more (got {args.nproc})")
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
     ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)  # a bad layout: one line, here
+    from wanka.resilience.chaos import parse_schedule
+    from wanka.train.run_lock import job_start
+
+    chaos = parse_schedule(args.chaos) if args.chaos else None
+    rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
+    # Held until the job ends: a second job on this run directory is refused (exit 2).
+    with job_start(cfg, rdzv, getattr(args, "argv", None) or [args.cmd]):
+        return _launch(args, cfg, rdzv, chaos)
+
+
+def _launch(args: argparse.Namespace, cfg, rdzv: dict, chaos) -> int:
+    from wanka.distributed.launch import launch, single_process_env
+
+    worker = [args.cmd, args.config, *sum((["--set", s] for s in args.set), [])]
+    if cfg.resilience.supervise:  # as `wanka train`: restarts, hang detection, drills
+        from wanka.resilience.supervisor import Supervisor
+
+        return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
+    if chaos:
+        raise ValueError("--chaos needs the supervisor: drop resilience.supervise=false")
     if args.nproc > 1 or args.nnodes is not None:
-        worker = [args.cmd, args.config, *sum((["--set", s] for s in args.set), [])]
-        rc = launch(args.nproc, {k: getattr(args, k) for k in RDZV_FLAGS}, worker)
+        rc = launch(args.nproc, rdzv, worker)
         if rc not in (0, 2):  # 2: a rank already printed the one-line reason
             print(f"wanka {args.cmd}: ranks failed (exit {rc}); see {cfg.run.dir}/logs",
                   file=sys.stderr)  # fmt: skip
@@ -69,7 +91,17 @@ def _module(cmd: str):
 def _rank(cmd: str, cfg) -> int:
     import torch.distributed as dist
 
-    result = _module(cmd).main(cfg)
+    from wanka.resilience.heartbeat import mark_exit
+    from wanka.resilience.supervisor import EXIT_PREEMPTED
+    from wanka.resilience.worker import Preempted
+
+    try:
+        result = _module(cmd).main(cfg)
+    except Preempted as e:
+        mark_exit(EXIT_PREEMPTED)
+        if os.environ.get("WANKA_SUPERVISED") != "1":  # else the supervisor says it, once
+            print(f"wanka {cmd}: {e}; run the same command again to resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     if dist.get_rank() == 0:
         print(json.dumps({"command": cmd, "run_dir": cfg.run.dir, **result}, sort_keys=True))
     dist.destroy_process_group()

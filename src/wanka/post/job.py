@@ -27,9 +27,11 @@ from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
 from wanka.post.prompts import TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
 from wanka.post.rollout import Samples, assemble
+from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter
 from wanka.train.optim import build_optimizer
+from wanka.train.trainer import setup_logging
 
 log = logging.getLogger("wanka.post")
 
@@ -52,6 +54,7 @@ class PostJob:
     run_dir: Path
     start_step: int = 0  # resumed from this run's checkpoint of that step (0: from post.init)
     param_dtype: torch.dtype | None = None  # compute dtype (teachers and reference use it too)
+    runtime: Runtime | None = None  # heartbeats and stop requests (wanka/resilience)
     longest_prompt: int = 0  # tokens, over every train and held-out prompt
     _orders: dict = dataclasses.field(default_factory=dict)  # pass -> shuffled prompt order
 
@@ -102,8 +105,13 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
                                     int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # fmt: skip
     dims.build_meshes(device_type)
     run_dir = Path(cfg.run.dir)
+    setup_logging(run_dir, rank)  # every rank logs to RUN_DIR/logs/rankN.log
+    # Heartbeats, stop requests, timeline: the supervisor watches this job as it does training.
+    runtime = Runtime(cfg, rank)
+    runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
+    runtime.chaos.at_start()
+    runtime.progress.enter("init")
     if rank == 0:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype = autocast_dtype(device_type, cfg.train.mixed_precision)
@@ -119,7 +127,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     job = PostJob(cfg, dims, device, policy, optimizer, Rollout(cfg.model, device), tokenizer,
                   train_prompts, val_prompts, ckpt, metrics, rank,
                   dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
-    job.param_dtype = dtype
+    job.param_dtype, job.runtime = dtype, runtime
+    runtime.progress.enter("restore")
     job.longest_prompt = max(len(job.encode(x.text)) for x in train_prompts + val_prompts)
     check_length(job.longest_prompt, p.completion_tokens, cfg.model, "post.init")
     job.start_step = _resume(job, p.init)

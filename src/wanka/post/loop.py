@@ -13,6 +13,7 @@ import torch.distributed as dist
 from wanka.post.engine import zero_routing_counts
 from wanka.post.job import PostJob
 from wanka.post.rollout import Samples
+from wanka.resilience.worker import Preempted
 from wanka.train.optim import clip_grad_norm, set_lr
 
 log = logging.getLogger("wanka.post")
@@ -33,12 +34,19 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     params = list(job.policy.parameters())
     # Under HSDP a replica holds every gradient element once: the norm sums over one replica.
     shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
+    rt = job.runtime
     for step in range(start, cfg.train.steps):
+        rt.progress.enter("sync", step)
+        if rt.stop_agreed():  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+            _last_gasp(job, step)
         t0 = time.perf_counter()
         lr = set_lr(job.optimizer, step, cfg.train)
+        rt.progress.enter("forward", step)  # sampling included: it is the policy's forward
         losses, m = step_fn(job, step)
         for loss in losses:
+            rt.progress.enter("backward", step)
             loss.backward()
+            rt.progress.enter("optimizer", step)
             grad_norm = clip_grad_norm(params, cfg.train.grad_clip, group=shard)
             if torch.isfinite(grad_norm):
                 job.optimizer.step()
@@ -50,14 +58,28 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
         job.metrics.log_train(step + 1, m)
         last = step + 1 == cfg.train.steps
         if (step + 1) % cfg.train.eval_every == 0 or last:
+            rt.progress.enter("eval", step)
             result = evaluate(job, step + 1)
             job.metrics.log_eval(step + 1, result)
         if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or last):
+            rt.progress.enter("checkpoint", step)
             job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
     job.ckpt.wait()
     job.metrics.close()
-    dist.barrier()
+    rt.progress.close()
+    dist.barrier()  # leave together: a rank tearing its group down early gets rank 0 killed
     return result
+
+
+def _last_gasp(job: PostJob, step: int) -> None:
+    """Stop on request: a checkpoint of the state after `step` steps, then leave (exit 75)."""
+    job.runtime.progress.enter("checkpoint", step)
+    if job.cfg.checkpoint.enable and step > job.start_step:
+        job.ckpt.save(step, job.train_state())  # must succeed: else exit 2 with the reason
+    job.metrics.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    raise Preempted(f"stopped on request at step {step}")
 
 
 def global_sum(*values: float) -> list[float]:

@@ -86,7 +86,7 @@ def setup(cfg: JobConfig) -> Job:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device(device_type)
     run_dir = Path(cfg.run.dir)
-    _setup_logging(run_dir, rank)
+    setup_logging(run_dir, rank)
     runtime = Runtime(cfg, rank)
     runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
     runtime.chaos.at_start()
@@ -191,7 +191,7 @@ def check_vocab(data_vocab: int, model_vocab: int) -> None:
                          f"{model_vocab}: set model.vocab_size={fit} (--set model.vocab_size={fit})")  # fmt: skip
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def setup_logging(run_dir: Path, rank: int) -> None:
     """One rank prints, all ranks log to RUN_DIR/logs/rank{N}.log."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     root = logging.getLogger("wanka")
