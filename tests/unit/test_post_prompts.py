@@ -147,3 +147,11 @@ def test_read_prompts_jsonl_file_errors(tmp_path: Path) -> None:
     bad.write_bytes(b'{"prompt": "ok", "domain": "d"}\n\xff\xfe\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8"):
         read_prompts_jsonl(bad)
+
+
+def test_builtin_prompts_of_one_domain_only():
+    code = builtin_prompts("val", 3, 80, 40, 0, only=("code",))
+    assert [p.domain for p in code] == ["code"] * 3
+    assert code == [p for p in builtin_prompts("val", 3, 80, 40, 0) if p.domain == "code"]
+    with pytest.raises(ValueError, match="domains"):
+        builtin_prompts("val", 3, 80, 40, 0, only=("poetry",))

@@ -25,7 +25,7 @@ from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
-from wanka.post.prompts import TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
+from wanka.post.prompts import DOMAINS, TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
 from wanka.post.rollout import Samples, assemble
 from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
@@ -122,7 +122,7 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     ckpt = Checkpointer(run_dir / "checkpoints", policy, optimizer, cfg.checkpoint.keep,
                         False, rank == 0)  # fmt: skip
     tokenizer = load_tokenizer(None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
-    train_prompts, val_prompts = _prompts(cfg, dims.dp)
+    train_prompts, val_prompts = _prompts(cfg, dims.dp, command)
     metrics = MetricsWriter(run_dir, rank == 0, cfg.train.steps, cfg.run.tensorboard)
     job = PostJob(cfg, dims, device, policy, optimizer, Rollout(cfg.model, device), tokenizer,
                   train_prompts, val_prompts, ckpt, metrics, rank,
@@ -150,15 +150,22 @@ def _resume(job: PostJob, init: str) -> int:
     return int(state["step"])
 
 
-def _prompts(cfg: JobConfig, dp: int) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:
+def _prompts(cfg: JobConfig, dp: int, command: str
+             ) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:  # fmt: skip
     p = cfg.post
     if p.prompts == "builtin":
-        n_domains = 2
-        need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / n_domains)
+        # The built-in reward judges Python: rl with it has nothing to earn on prose.
+        only = ("code",) if command == "rl" and p.reward == "python_parses" else DOMAINS
+        need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / len(only))
         n = min(max(need, 1), 2000)  # more cycle: each pass is shuffled anew
         cont = 4 * p.completion_tokens  # enough reference text for off-policy rows
-        return (builtin_prompts("train", n, p.prompt_chars, cont, cfg.train.seed),
-                builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont, cfg.train.seed + 1))  # fmt: skip
+        try:
+            return (builtin_prompts("train", n, p.prompt_chars, cont, cfg.train.seed, only),
+                    builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont,
+                                    cfg.train.seed + 1, only))  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"post.prompts='builtin': {e} (post.eval_prompts, "
+                             "post.prompt_chars, post.completion_tokens)") from None  # fmt: skip
     every = read_prompts_jsonl(p.prompts)
     held, train = [], []
     for d in domains(every):  # the last eval_prompts of each domain are held out

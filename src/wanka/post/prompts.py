@@ -99,7 +99,12 @@ def _prose_prompt(
 
 
 def builtin_prompts(
-    split: str, n_per_domain: int, prompt_chars: int, continuation_chars: int, seed: int
+    split: str,
+    n_per_domain: int,
+    prompt_chars: int,
+    continuation_chars: int,
+    seed: int,
+    only: tuple[str, ...] = DOMAINS,
 ) -> list[TaggedPrompt]:
     """``n_per_domain`` prompts of each built-in domain, interleaved (code, prose, code, ...).
 
@@ -119,9 +124,12 @@ def builtin_prompts(
             "builtin_prompts: need n_per_domain >= 1, prompt_chars >= 2, continuation_chars >= 1"
             f" (got {n_per_domain}, {prompt_chars}, {continuation_chars})"
         )
+    if not set(only) <= set(DOMAINS) or not only:
+        raise ValueError(f"builtin_prompts: domains are {DOMAINS}, got {only!r}")
     per_domain = [
         _sample(domain, split, n_per_domain, prompt_chars, continuation_chars, seed)
         for domain in DOMAINS
+        if domain in only
     ]
     return [p for group in zip(*per_domain) for p in group]
 

@@ -141,10 +141,6 @@ def main(cfg: JobConfig) -> dict[str, float]:
     check_rl(cfg)
     job = setup(cfg, "rl")
     reward = load_reward(cfg.post.reward)
-    if cfg.post.prompts == "builtin" and cfg.post.reward == "python_parses":
-        # The built-in reward judges Python: the prose half of the corpus has nothing to earn.
-        job.train_prompts = [x for x in job.train_prompts if x.domain == "code"]
-        job.val_prompts = [x for x in job.val_prompts if x.domain == "code"]
     reference = build_sharded(job.cfg.model, job.dims, job.device, job.cfg.train.seed,
                               job.param_dtype)  # fmt: skip
     load_weights(reference, cfg.post.init, "post.init (the KL reference)")
