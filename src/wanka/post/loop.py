@@ -28,6 +28,9 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     """Train from job.start_step to train.steps; returns the last eval."""
     cfg = job.cfg
     start = job.start_step
+    if start > cfg.train.steps:
+        raise ValueError(f"{job.run_dir} is already at step {start} but train.steps="
+                         f"{cfg.train.steps}: raise train.steps to go on, or use a new run.dir")  # fmt: skip
     if start == 0:
         job.metrics.log_eval(0, evaluate(job, 0))
     result: dict[str, float] = {}
@@ -64,6 +67,8 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
         if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or last):
             rt.progress.enter("checkpoint", step)
             job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
+    if start == cfg.train.steps:  # finished already (a rerun): report where it stands
+        result = evaluate(job, start)
     job.ckpt.wait()
     job.metrics.close()
     rt.progress.close()
