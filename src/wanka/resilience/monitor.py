@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,8 +61,13 @@ class Timeouts:
         return max(floor, self.factor * seen) if seen > 0 else self.initial
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.learned, indent=1, sort_keys=True))
+        # A temp name per writer: supervisors of several nodes may share the run directory,
+        # and two renames of one shared temp file race (the second finds it gone).
+        fd, tmp = tempfile.mkstemp(
+            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
+        )
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.learned, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
 
 
