@@ -12,6 +12,7 @@ from pathlib import Path
 from wanka.bench.comm_cli import add_bench_comm_parser
 from wanka.bench.cp_cli import add_bench_cp_parser
 from wanka.bench.decode import add_bench_decode_parser
+from wanka.bench.post import add_bench_post_parser
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
 from wanka.distributed.launch import RDZV_FLAGS
 from wanka.infer.cli import add_generate_parser
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_cp_parser(b)
     add_bench_comm_parser(b)
     add_bench_decode_parser(b)
+    add_bench_post_parser(b)
     bm = b.add_parser("memory", help="memory estimate vs measured peak: tiny/small x 1/2 ranks")
     bm.add_argument("--quick", action="store_true", help="tiny only, fewer cases")
     bm.add_argument(

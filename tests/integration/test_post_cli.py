@@ -51,6 +51,12 @@ def base(tmp_path_factory) -> Path:
         ("rl", ["post.updates_per_batch=0"], "post.updates_per_batch=0"),
         ("rl", ["parallel.ep=3"], "n_experts"),  # judged against post.init's model (8 experts)
         ("distill", ["parallel.cp=2"], "parallel.cp=1"),
+        ("distill", ["post.domains=code,math"], "names ['math']"),
+        ("sft", ["post.domains=math"], "built-in prompts have the domains"),
+        ("rl", ["post.domains=prose"], "judges Python"),
+        ("sft", ["post.sft_source=teachers", "post.teachers="], "post.teachers is empty"),
+        ("sft", ["post.sft_source=web"], "post.sft_source"),
+        ("sft", ["post.init="], "post.init is empty"),
     ],
 )
 def test_bad_post_training_input_is_one_line(command, overrides, says, tmp_path, capsys):
@@ -106,3 +112,36 @@ def test_supervised_rl_recovers_from_a_killed_rank(base, tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if x["kind"] == "train"][-1] == 3
     assert (out / "checkpoints" / "step-00000003").is_dir()
+
+
+def test_sft_on_references_and_on_teacher_samples(base, tmp_path):
+    """`wanka sft` trains on the corpus continuations of one domain (how the bench makes a
+    domain teacher), then on samples of that run as a teacher (sequence-level distillation)."""
+    teacher = tmp_path / "teacher"
+    given = [f"post.init={base}", "train.steps=2", "checkpoint.every=2", "train.eval_every=2",
+             "post.completion_tokens=8", "post.eval_prompts=2", "post.prompts_per_step=2",
+             "run.tensorboard=false", "resilience.supervise=false"]  # fmt: skip
+    r = wanka("sft", "configs/sft.toml", *sets(*given, f"run.dir={teacher}", "post.domains=code"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (teacher / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in rows if x["kind"] == "eval"]
+    assert [x["step"] for x in evals] == [0, 2]
+    assert all(set(k for k in x if k.startswith("val_loss/")) == {"val_loss/code"} for x in evals)
+    train = [x for x in rows if x["kind"] == "train"]
+    # References: the student's forward and backward (3 forward-token equivalents per token);
+    # 2 prompts of 48-96 characters (byte tokens: UTF-8 may take more) + 8 tokens each.
+    assert all(x["tokens_processed"] % 3 == 0 for x in train)
+    assert all(3 * 2 * (48 + 8) <= x["tokens_processed"] <= 3 * 2 * (4 * 96 + 8) for x in train)
+    assert all(x["completion_tokens"] == 16 for x in train)  # the reference is long enough
+
+    out = tmp_path / "seqkd"
+    r = wanka("sft", "configs/sft.toml", *sets(*given, f"run.dir={out}", "post.sft_source=teachers",
+                                              f"post.teachers=code={teacher},prose={teacher}"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in rows if x["kind"] == "train"]
+    # The teachers' sampled tokens count too.
+    assert all(x["tokens_processed"] % 3 == x["completion_tokens"] % 3 for x in train)
+    evals = [x for x in rows if x["kind"] == "eval"]
+    assert {"val_loss/code", "val_loss/prose"} <= set(evals[-1])
+    assert (out / "checkpoints" / "step-00000002").is_dir()

@@ -201,6 +201,8 @@ class PostConfig:
     init: str = ""  # run directory whose newest checkpoint the policy starts from
     teachers: str = ""  # distill: "domain=RUN_DIR,..." (one teacher per prompt domain)
     prompts: str = "builtin"  # "builtin" (code and prose domains) or a JSONL file
+    domains: str = ""  # train and evaluate on these prompt domains only ("code,prose"); "": all
+    prompt_seed: int = -1  # built-in prompts are drawn with this seed (-1: train.seed)
     prompt_chars: int = 96  # built-in prompts: characters of each prompt
     completion_tokens: int = 48  # tokens the policy samples per prompt
     prompts_per_step: int = 4  # per data-parallel rank
@@ -213,6 +215,9 @@ class PostConfig:
     estimator: Literal["exact", "sampled"] = "exact"  # reverse_kl: full vocabulary or sampled
     beta: float = 0.5  # jsd interpolation
     on_policy_fraction: float = 1.0  # GKD's lambda: else the corpus continuation is used
+    # sft: completions to train on: the corpus continuations ("reference"), or samples of each
+    # prompt's domain teacher ("teachers": sequence-level distillation).
+    sft_source: Literal["reference", "teachers"] = "reference"
     reward: str = "python_parses"  # rl: a built-in reward or "package.module:function"
     clip_eps: float = 0.2  # rl: PPO ratio clip (acts when updates_per_batch > 1)
     updates_per_batch: int = 1  # rl: optimizer steps on each batch of samples (PPO epochs)

@@ -8,6 +8,7 @@ import dataclasses
 from wanka.config.loader import validate
 from wanka.config.schema import JobConfig, ModelConfig
 from wanka.post.engine import run_config
+from wanka.post.prompts import DOMAINS
 
 
 def with_policy_model(cfg: JobConfig) -> JobConfig:
@@ -48,6 +49,11 @@ def check_common(cfg: JobConfig, samples_from_policy: bool) -> None:
     if samples_from_policy and not p.temperature > 0.0:
         raise ValueError(f"post.temperature={p.temperature}: on-policy training samples, so "
                          "it must be > 0 (1.0 samples the policy's own distribution)")  # fmt: skip
+    if p.prompts == "builtin" and p.domains.strip():
+        unknown = sorted({x.strip() for x in p.domains.split(",") if x.strip()} - set(DOMAINS))
+        if unknown:
+            raise ValueError(f"post.domains names {unknown}, but the built-in prompts have the "
+                             f"domains {list(DOMAINS)}")  # fmt: skip
     if cfg.parallel.cp != 1:
         raise ValueError("post-training runs without context parallelism (completions are "
                          "short): set parallel.cp=1")  # fmt: skip

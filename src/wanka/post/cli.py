@@ -1,4 +1,4 @@
-"""`wanka distill CONFIG` and `wanka rl CONFIG`: post-training from a trained run directory,
+"""`wanka distill|rl|sft CONFIG`: post-training from a trained run directory,
 on N local ranks through torchrun (or across nodes with torchrun's rendezvous flags)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from wanka.distributed.launch import RDZV_FLAGS
 HELP = {
     "distill": "on-policy distillation from one teacher per prompt domain (MOPD, GKD knobs)",
     "rl": "GRPO policy optimisation with a verifiable reward (e.g. Python that parses)",
+    "sft": "supervised fine-tuning on tagged prompts: corpus continuations or teacher samples",
 }
 
 
@@ -40,8 +41,7 @@ def _post(args: argparse.Namespace) -> int:
 
     # Validated once post.init's [model] is in: parallel.ep is judged against its experts.
     cfg = with_policy_model(load_config(args.config, args.set, check=False))
-    check = _module(args.cmd).check_distill if args.cmd == "distill" else _module(args.cmd).check_rl
-    check(cfg)
+    getattr(_module(args.cmd), f"check_{args.cmd}")(cfg)
     if inside_torchrun():
         return _rank(args.cmd, cfg)
     if args.nproc < 1:
@@ -83,6 +83,10 @@ def _module(cmd: str):
         from wanka.post import distill
 
         return distill
+    if cmd == "sft":
+        from wanka.post import sft
+
+        return sft
     from wanka.post import rl
 
     return rl

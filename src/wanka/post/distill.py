@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from wanka.config.schema import JobConfig
+from wanka.config.schema import JobConfig, ModelConfig
 from wanka.post.checks import check_common, check_frozen_model, check_length
 from wanka.post.engine import build_sharded, frozen, load_weights, run_config, zero_routing_counts
 from wanka.post.job import PostJob, setup
@@ -75,7 +75,11 @@ class Teachers:
 
     def __init__(self, job: PostJob) -> None:
         self.models: dict[str, torch.nn.Module] = {}
+        self.configs: dict[str, ModelConfig] = {}  # each teacher's own (may be larger)
+        used = set(domains(job.train_prompts + job.val_prompts))  # post.domains may drop some
         for domain, run_dir in sorted(parse_teachers(job.cfg.post.teachers).items()):
+            if domain not in used:
+                continue
             role = f"teacher for {domain!r}"
             tcfg = run_config(run_dir, role)
             if (tcfg.model.vocab_size, tcfg.data.tokenizer) != (job.cfg.model.vocab_size,
@@ -90,6 +94,7 @@ class Teachers:
                                   job.param_dtype)  # fmt: skip
             load_weights(model, run_dir, role)
             self.models[domain] = frozen(model)
+            self.configs[domain] = tcfg.model
         missing = sorted(set(domains(job.train_prompts)) - set(self.models))
         if missing:
             raise ValueError(f"post.teachers has no teacher for prompt domain(s) {missing}: "
@@ -150,9 +155,10 @@ def make_step(teachers: Teachers):
         names = sorted(teachers.models)
         by_domain = per_domain(per_token, s.mask, row_domains, names)
         total = sum(len(t) + len(c) for t, c in zip(tokens, completions))
-        # Compute spent, in tokens processed: sampled tokens + student + teacher forwards.
+        # Compute spent in forward-token equivalents: the student's forward and backward
+        # (3 x), the teacher's forward, each sampled token.
         sampled = sum(map(len, completions)) if on_policy else 0
-        div, processed = global_sum(float(div_sum.detach()), float(total * 2 + sampled))
+        div, processed = global_sum(float(div_sum.detach()), float(total * 4 + sampled))
         m = {"loss": div / max(n, 1.0), "on_policy": float(on_policy),
              "tokens_processed": processed, "completion_tokens": n}  # fmt: skip
         m.update({f"divergence/{d}": v for d, v in by_domain.items()})

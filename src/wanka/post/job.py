@@ -1,5 +1,6 @@
-"""What `wanka distill` and `wanka rl` share: process group and meshes, the policy (from
-post.init's newest checkpoint), its optimizer and rollout copy, prompts, checkpoints, metrics.
+"""What `wanka distill`, `wanka rl` and `wanka sft` share: process group and meshes, the
+policy (from post.init's newest checkpoint), its optimizer and rollout copy, prompts,
+checkpoints, metrics.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
 from wanka.post.prompts import DOMAINS, TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
-from wanka.post.rollout import Samples, assemble
 from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter
@@ -43,7 +43,7 @@ class PostJob:
     device: torch.device
     policy: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    rollout: Rollout
+    rollout: Rollout | None  # None for sft: it never samples from the policy
     tokenizer: object
     train_prompts: list[TaggedPrompt]
     val_prompts: list[TaggedPrompt]
@@ -124,7 +124,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     tokenizer = load_tokenizer(None if cfg.data.tokenizer == "byte" else cfg.data.tokenizer)
     train_prompts, val_prompts = _prompts(cfg, dims.dp, command)
     metrics = MetricsWriter(run_dir, rank == 0, cfg.train.steps, cfg.run.tensorboard)
-    job = PostJob(cfg, dims, device, policy, optimizer, Rollout(cfg.model, device), tokenizer,
+    rollout = Rollout(cfg.model, device) if command != "sft" else None
+    job = PostJob(cfg, dims, device, policy, optimizer, rollout, tokenizer,
                   train_prompts, val_prompts, ckpt, metrics, rank,
                   dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
     job.param_dtype, job.runtime = dtype, runtime
@@ -153,20 +154,36 @@ def _resume(job: PostJob, init: str) -> int:
 def _prompts(cfg: JobConfig, dp: int, command: str
              ) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:  # fmt: skip
     p = cfg.post
+    wanted = selected_domains(p.domains)
     if p.prompts == "builtin":
+        unknown = sorted(set(wanted or ()) - set(DOMAINS))
+        if unknown:
+            raise ValueError(f"post.domains names {unknown}, but the built-in prompts have the "
+                             f"domains {list(DOMAINS)}")  # fmt: skip
         # The built-in reward judges Python: rl with it has nothing to earn on prose.
         only = ("code",) if command == "rl" and p.reward == "python_parses" else DOMAINS
+        only = tuple(d for d in only if wanted is None or d in wanted)
+        if not only:
+            raise ValueError(f"post.domains={p.domains!r} leaves no built-in prompts for "
+                             f"`wanka {command}` (with reward python_parses: code only)")  # fmt: skip
         need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / len(only))
         n = min(max(need, 1), 2000)  # more cycle: each pass is shuffled anew
         cont = 4 * p.completion_tokens  # enough reference text for off-policy rows
+        seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
         try:
-            return (builtin_prompts("train", n, p.prompt_chars, cont, cfg.train.seed, only),
-                    builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont,
-                                    cfg.train.seed + 1, only))  # fmt: skip
+            return (builtin_prompts("train", n, p.prompt_chars, cont, seed, only),
+                    builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont, seed + 1,
+                                    only))  # fmt: skip
         except ValueError as e:
             raise ValueError(f"post.prompts='builtin': {e} (post.eval_prompts, "
                              "post.prompt_chars, post.completion_tokens)") from None  # fmt: skip
     every = read_prompts_jsonl(p.prompts)
+    if wanted is not None:
+        missing = sorted(set(wanted) - set(domains(every)))
+        if missing:
+            raise ValueError(f"post.domains names {missing}, but {p.prompts} has the domains "
+                             f"{domains(every)}")  # fmt: skip
+        every = [x for x in every if x.domain in wanted]
     held, train = [], []
     for d in domains(every):  # the last eval_prompts of each domain are held out
         rows = [x for x in every if x.domain == d]
@@ -179,6 +196,7 @@ def _prompts(cfg: JobConfig, dp: int, command: str
     return train, held
 
 
-def completion_rows(job: PostJob, prompts: list[TaggedPrompt], completions: list[list[int]]
-                    ) -> Samples:  # fmt: skip
-    return assemble([job.encode(x.text) for x in prompts], completions, job.device)
+def selected_domains(spec: str) -> set[str] | None:
+    """post.domains "code,prose" -> {"code", "prose"}; "" -> None (every domain)."""
+    names = {x.strip() for x in spec.split(",") if x.strip()}
+    return names or None

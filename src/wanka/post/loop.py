@@ -1,4 +1,4 @@
-"""The post-training loop `wanka distill` and `wanka rl` share: steps, held-out evals,
+"""The post-training loop `wanka distill`, `rl` and `sft` share: steps, held-out evals,
 checkpoints and metrics. Each command supplies one step and one eval function."""
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ def check_rl(cfg: JobConfig) -> None:
                          "`wanka train` run) to start from")  # fmt: skip
     run_config(p.init, "post.init")
     check_common(cfg, samples_from_policy=True)
+    if p.prompts == "builtin" and p.reward == "python_parses" and p.domains.strip():
+        if "code" not in {x.strip() for x in p.domains.split(",")}:
+            raise ValueError(f"post.domains={p.domains!r}: the built-in reward judges Python, "
+                             "so wanka rl uses the code prompts: add code or use post.reward="
+                             "package.module:function")  # fmt: skip
     if p.temperature != 1.0 or p.top_p != 1.0:
         raise ValueError("wanka rl samples at temperature 1 and top_p 1: the ratio and the KL "
                          "are computed for the policy's own distribution (set post.temperature"

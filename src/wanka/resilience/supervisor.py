@@ -107,6 +107,8 @@ class Supervisor:
                  rdzv: dict | None = None, chaos: list[Fault] | None = None,
                  node: str | None = None, cluster_state: str | None = None) -> None:  # fmt: skip
         self.cfg, self.worker_argv, self.nproc = cfg, worker_argv, nproc
+        # Lines are prefixed with the command the user ran (wanka train / distill / rl / sft).
+        self.says = f"wanka {worker_argv[0] if worker_argv else 'train'}:"
         self.rdzv = dict(rdzv or {})
         self.rc = cfg.resilience
         self.run_dir = Path(cfg.run.dir)
@@ -369,7 +371,7 @@ class Supervisor:
                 # The ranks leave the saying to us: the first rank to exit makes us stop the
                 # others at once, possibly before rank 0 had printed anything.
                 said = out.said or f"a rank stopped on an input error; see {self.run_dir}/logs"
-                print(f"wanka train: {said}", file=sys.stderr)
+                print(f"{self.says} {said}", file=sys.stderr)
                 rc = EXIT_USER_ERROR
                 break
             if out.cause == "preempted" or self._preempt.is_set():
@@ -379,13 +381,13 @@ class Supervisor:
                                     injected=self.chaos.sigterm_time is not None)  # fmt: skip
                 how = ("after a last-gasp checkpoint" if out.confirmed else
                        "without a last-gasp checkpoint (it resumes from the newest snapshot or checkpoint)")  # fmt: skip
-                print(f"wanka train: stopped on request ({out.detail}) {how}; run the same "
+                print(f"{self.says} stopped on request ({out.detail}) {how}; run the same "
                       "command again to resume", file=sys.stderr)  # fmt: skip
                 rc = EXIT_PREEMPTED
                 break
             if self._repeated(out):
                 log_file = rank_logs.log_path(self.run_dir, out.rank)
-                print(f"wanka train: rank {out.rank} failed twice at step {out.max_step + 1} with "
+                print(f"{self.says} rank {out.rank} failed twice at step {out.max_step + 1} with "
                       f"{out.error}: not a transient fault, so no more restarts; fix it and run "
                       f"the same command to resume (log {log_file})", file=sys.stderr)  # fmt: skip
                 rc = EXIT_USER_ERROR
@@ -397,11 +399,11 @@ class Supervisor:
             stalled = 0 if evicted else stalled + 1 if out.max_step <= last_max else 0
             last_max = max(last_max, out.max_step)
             if failures > self.rc.max_restarts:
-                print(f"wanka train: giving up after {failures} faults (resilience.max_restarts="
+                print(f"{self.says} giving up after {failures} faults (resilience.max_restarts="
                       f"{self.rc.max_restarts}); last: {out.cause}: {out.detail}", file=sys.stderr)  # fmt: skip
                 break
             if stalled >= self.rc.no_progress_restarts:
-                print(f"wanka train: {stalled} restarts in a row made no progress (last: "
+                print(f"{self.says} {stalled} restarts in a row made no progress (last: "
                       f"{out.cause}: {out.detail}); fix the cause and resume", file=sys.stderr)  # fmt: skip
                 break
             delay = 0.0 if stalled == 0 else min(self.rc.backoff_s * 2 ** (stalled - 1),
@@ -411,7 +413,7 @@ class Supervisor:
                 if out.error
                 else ""
             )
-            print(f"wanka train: {out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
+            print(f"{self.says} {out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)
             if self.rc.preflight != "off" and self._preflight(live=False):
@@ -447,19 +449,19 @@ class Supervisor:
             return False
         left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
         if left and not self._fits(len(left)):
-            print(f"wanka train: node {node} meets the eviction policy ({reason}) but "
+            print(f"{self.says} node {node} meets the eviction policy ({reason}) but "
                   f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
                   f"x cp={self.cfg.parallel.cp} with ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
             self.ledger.evict(node, reason)
             left = ", ".join(n.name for n in self.active_nodes())
-            print(f"wanka train: evicting node {node} ({reason}); continuing on {left}",
+            print(f"{self.says} evicting node {node} ({reason}); continuing on {left}",
                   file=sys.stderr, flush=True)  # fmt: skip
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
             return True
         elif node not in self._warned:
             self._warned.add(node)
-            print(f"wanka train: node {node} meets the eviction policy ({reason}) but no other "
+            print(f"{self.says} node {node} meets the eviction policy ({reason}) but no other "
                   "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
         return False
 
@@ -470,7 +472,7 @@ class Supervisor:
         self.timeline.event("fault", beat.since, now, cause="slow", rank=rank, node=node,
                             detail=detail, injected=injected)  # fmt: skip
         self.ledger.record(self.job, node, rank, "slow", beat.step, detail, injected=injected)
-        print(f"wanka train: straggler: {detail} (node {node}); recorded in the fault ledger",
+        print(f"{self.says} straggler: {detail} (node {node}); recorded in the fault ledger",
               file=sys.stderr, flush=True)  # fmt: skip
 
     def _preflight(self, live: bool) -> int:
@@ -485,6 +487,6 @@ class Supervisor:
         if not report.ok:  # one line per failed check, each saying what to fix
             for r in report.results:
                 if not r.ok:
-                    print(f"wanka train: pre-flight {r.name}: {r.message}", file=sys.stderr)
+                    print(f"{self.says} pre-flight {r.name}: {r.message}", file=sys.stderr)
             return EXIT_USER_ERROR
         return 0
