@@ -97,21 +97,31 @@ def test_rl_with_a_user_reward_function(base, tmp_path):
     assert (out / "checkpoints" / "step-00000001").is_dir()
 
 
-def test_supervised_rl_recovers_from_a_killed_rank(base, tmp_path):
+def test_supervised_rl_recovers_from_a_killed_rank_bitwise(base, tmp_path):
     """The resilience layer as for `wanka train`: a rank killed mid-job is detected by the
-    supervisor and the job restarts from its last checkpoint and finishes."""
-    out = tmp_path / "sup"
-    given = [f"run.dir={out}", f"post.init={base}", "train.steps=3", "checkpoint.every=1",
-             "post.completion_tokens=8", "post.eval_prompts=1", "post.samples_per_prompt=2",
-             "post.prompts_per_step=1", "run.tensorboard=false", "resilience.snapshot_every=0",
-             f"resilience.ledger={tmp_path / 'faults.sqlite'}", "resilience.hang_floor_s=30"]  # fmt: skip
-    r = wanka("rl", "configs/rl.toml", "--nproc", "2", "--chaos", "kill@step=2,rank=1",
-              *sets(*given), timeout=600)  # fmt: skip
+    supervisor, the job restarts from the in-memory snapshot (no checkpoint exists before the
+    last step) and ends in exactly the state of a fault-free run."""
+
+    def given(run: str) -> list[str]:
+        return [f"run.dir={tmp_path / run}", f"post.init={base}", "train.steps=4",
+                "checkpoint.every=4", "post.completion_tokens=8", "post.eval_prompts=1",
+                "post.samples_per_prompt=2", "post.prompts_per_step=1", "run.tensorboard=false",
+                "resilience.snapshot_every=1", f"resilience.snapshot_dir={tmp_path / 'shm'}",
+                f"resilience.ledger={tmp_path / 'faults.sqlite'}", "resilience.hang_floor_s=30"]  # fmt: skip
+
+    r = wanka("rl", "configs/rl.toml", "--nproc", "2", "--chaos", "kill@step=3,rank=1",
+              *sets(*given("sup")), timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "process_crash" in r.stderr and "restart 1" in r.stderr, r.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in rows if x["kind"] == "train"][-1] == 3
-    assert (out / "checkpoints" / "step-00000003").is_dir()
+    assert r.stderr.count("wanka rl:") >= 1 and "wanka train:" not in r.stderr  # its own name
+    logs = "".join(p.read_text() for p in (tmp_path / "sup" / "logs").glob("rank*.log"))
+    assert "resumed from the in-memory snapshot of step" in logs
+    rows = [json.loads(x) for x in (tmp_path / "sup" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if x["kind"] == "train"] == [1, 2, 3, 4]  # no step twice
+    clean = wanka("rl", "configs/rl.toml", "--nproc", "2", *sets(*given("clean")), timeout=600)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    digest = [json.loads(x.stdout.strip().splitlines()[-1])["state_digest"] for x in (r, clean)]
+    assert digest[0] == digest[1]
 
 
 def test_sft_on_references_and_on_teacher_samples(base, tmp_path):

@@ -5,6 +5,7 @@ MOPD's loss, RL's spread over seeds."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,30 @@ def test_a_plan_with_nothing_to_run_is_refused_up_front(field):
         check_plan(PostBenchPlan(**{field: 0}))
     with pytest.raises(ValueError, match="single-teachers"):
         check_plan(PostBenchPlan(single_teachers="code,math"))
+
+
+def test_phases_are_reused_across_bench_directories_but_never_mixed(tmp_path, monkeypatch):
+    import wanka.bench.post as bp
+
+    ran = []
+
+    def fake_wanka(*args, log):
+        ran.append(args)
+        run = Path(next(a for a in args if a.startswith("run.dir=")).split("=", 1)[1])
+        (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+
+    monkeypatch.setattr(bp, "_wanka", fake_wanka)
+
+    def args(out: Path, steps: int = 2) -> list[str]:
+        return ["sft", "cfg.toml", "--set", f"run.dir={out}/t", "--set", f"post.init={out}/base",
+                "--set", f"train.steps={steps}"]  # fmt: skip
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    bp._phase(a / "t", 2, args(a), tmp_path / "log")
+    bp._phase(a / "t", 2, args(a), tmp_path / "log")  # finished, same inputs: reused
+    assert len(ran) == 1
+    shutil.copytree(a / "t", b / "t")  # another bench with the same plan shares the phase
+    bp._phase(b / "t", 2, args(b), tmp_path / "log")
+    assert len(ran) == 1
+    with pytest.raises(ValueError, match="other inputs"):
+        bp._phase(b / "t", 3, args(b, steps=3), tmp_path / "log")

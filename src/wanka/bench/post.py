@@ -81,8 +81,10 @@ def _config(name: str) -> str:
 def _phase(run: Path, steps: int, args: list[str], log: Path) -> None:
     """Runs `wanka ARGS` into `run` unless a finished run with the same inputs is there (an
     unfinished one resumes). A run with other inputs (an earlier plan, --quick) is refused:
-    its numbers would mix into this bench's."""
-    inputs = json.dumps(args)
+    its numbers would mix into this bench's. Inputs are recorded relative to the bench's
+    directory, so finished phases can be copied into another bench's (e.g. a longer plan
+    that shares the base and the teachers)."""
+    inputs = json.dumps([a.replace(str(run.parent), "{out}") for a in args])
     stamp = run / "bench_inputs.json"
     if run.exists():
         if not stamp.is_file() or stamp.read_text() != inputs:

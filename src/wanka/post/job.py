@@ -27,6 +27,7 @@ from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
 from wanka.post.prompts import DOMAINS, TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
+from wanka.resilience.snapshot import apply, layout_signature
 from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter
@@ -56,6 +57,7 @@ class PostJob:
     param_dtype: torch.dtype | None = None  # compute dtype (teachers and reference use it too)
     runtime: Runtime | None = None  # heartbeats and stop requests (wanka/resilience)
     longest_prompt: int = 0  # tokens, over every train and held-out prompt
+    snapshots: object = None  # in-memory snapshots (resilience/snapshot.py), when supervised
     _orders: dict = dataclasses.field(default_factory=dict)  # pass -> shuffled prompt order
 
     @property
@@ -132,6 +134,11 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     runtime.progress.enter("restore")
     job.longest_prompt = max(len(job.encode(x.text)) for x in train_prompts + val_prompts)
     check_length(job.longest_prompt, p.completion_tokens, cfg.model, "post.init")
+    job.snapshots = runtime.snapshot_store(
+        world,
+        int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+        layout_signature(policy, world, job.train_state()["model_config"], _layout_name(dims)),
+    )
     job.start_step = _resume(job, p.init)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
@@ -141,13 +148,32 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     return job
 
 
+def _layout_name(dims: ParallelDims) -> str:
+    """How the policy is sharded: a snapshot restores onto the same layout only."""
+    name = f"post-dp{dims.dp_shard}-ep{dims.ep}"
+    return name + (f"-rep{dims.dp_replicate}" if dims.hsdp_enabled else "")
+
+
 def _resume(job: PostJob, init: str) -> int:
-    """This run's newest checkpoint (policy + optimizer), else post.init's weights."""
-    path = job.ckpt.latest_valid() if job.cfg.checkpoint.load != "none" else None
+    """The newest of this run's in-memory snapshot (after a fault, under the supervisor) and
+    its newest checkpoint (policy + optimizer), else post.init's weights. Nothing else needs
+    restoring: prompts, the on-policy coin and sampling seeds are functions of the step."""
+    load = job.cfg.checkpoint.load
+    if job.runtime is not None and job.runtime.attempt > 1:
+        load = "latest"  # a relaunch continues this job, whatever the first launch started from
+    path = job.ckpt.latest_valid() if load != "none" else None
+    disk_step = job.ckpt.step_of(path) if path is not None else 0
+    found = job.snapshots.restore() if job.snapshots is not None and load != "none" else None
+    if found is not None and found[0] >= disk_step and found[0] > 0:
+        step, state = found
+        apply(state, job.policy, job.optimizer)
+        log.info("resumed from the in-memory snapshot of step %d", step)
+        return step
     if path is None:
         load_weights(job.policy, init, "post.init")
         return 0
     state = job.ckpt.load(path, job.train_state())
+    log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
 
 

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from wanka.post.engine import zero_routing_counts
 from wanka.post.job import PostJob
 from wanka.post.rollout import Samples
+from wanka.resilience.snapshot import capture
 from wanka.resilience.worker import Preempted
 from wanka.train.optim import clip_grad_norm, set_lr
+from wanka.train.trainer import state_digest
 
 log = logging.getLogger("wanka.post")
 
@@ -59,6 +61,9 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
             zero_routing_counts(job.policy)
         m.update(grad_norm=float(grad_norm), lr=lr, step_time=time.perf_counter() - t0)
         job.metrics.log_train(step + 1, m)
+        if job.snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
+            rt.progress.enter("snapshot", step)
+            job.snapshots.save(step + 1, capture(job.policy, job.optimizer, {}))
         last = step + 1 == cfg.train.steps
         if (step + 1) % cfg.train.eval_every == 0 or last:
             rt.progress.enter("eval", step)
@@ -70,6 +75,10 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     if start == cfg.train.steps:  # finished already (a rerun): report where it stands
         result = evaluate(job, start)
     job.ckpt.wait()
+    if job.snapshots is not None:
+        job.snapshots.close(discard=True)  # finished: nothing left to recover from memory
+    # Two runs with equal digests ended in bitwise-identical states (fault drills compare).
+    result = {**result, "state_digest": state_digest(job.policy, job.optimizer)}
     job.metrics.close()
     rt.progress.close()
     dist.barrier()  # leave together: a rank tearing its group down early gets rank 0 killed
@@ -79,6 +88,8 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
 def _last_gasp(job: PostJob, step: int) -> None:
     """Stop on request: a checkpoint of the state after `step` steps, then leave (exit 75)."""
     job.runtime.progress.enter("checkpoint", step)
+    if job.snapshots is not None:
+        job.snapshots.wait()
     if job.cfg.checkpoint.enable and step > job.start_step:
         job.ckpt.save(step, job.train_state())  # must succeed: else exit 2 with the reason
     job.metrics.close()

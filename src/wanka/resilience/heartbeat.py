@@ -95,12 +95,17 @@ def read_beat(path: Path) -> Beat | None:
             raw = f.read(RECORD_SIZE)
     except OSError:
         return None
+    return unpack_beat(raw, int(path.stem.removeprefix("rank")))
+
+
+def unpack_beat(raw: bytes, rank: int) -> Beat | None:
+    """A record's bytes (as written to the file, or forwarded through the control store) as a
+    Beat; None if torn or not a record."""
     if len(raw) != RECORD_SIZE:
         return None
     magic, pid, attempt, step, phase, since, written, *mx = struct.unpack(_FMT, raw)
     if magic != _MAGIC or not 0 <= phase < len(PHASES):
         return None
-    rank = int(path.stem.removeprefix("rank"))
     return Beat(rank, pid, attempt, step, PHASES[phase], since, written, dict(zip(PHASES, mx)))
 
 

@@ -1,0 +1,165 @@
+"""The node agent: one per host, the only reader of that host's heartbeat files.
+
+Every poll it reads the local ranks' heartbeat records and exit marks (resilience/heartbeat.py),
+looks up each rank's process state in /proc (only this host can), publishes all of it to the
+control store, then beats its own liveness counter: a beat that advanced means the rank data
+before it is fresh. It then follows the coordinator's decision: on "stop" it kills the process
+group it was given (the local torchrun and its ranks).
+
+    python -m wanka.control.agent --host H --port P --job J --node N --hb-dir DIR [--pgid G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from wanka.control.store import GONE, ControlStore, unpack_record
+from wanka.resilience.heartbeat import RECORD_SIZE, exit_code, exit_message
+from wanka.resilience.monitor import process_state
+
+log = logging.getLogger("wanka.control.agent")
+
+
+class NodeAgent:
+    def __init__(self, store: ControlStore, node: str, hb_dir: Path, poll_s: float = 0.5,
+                 pgid: int | None = None, kill: Callable[[int, int], None] = os.killpg,
+                 attempt: int | None = None) -> None:  # fmt: skip
+        """`pgid`: the process group to kill on "stop" (set it again for each attempt's
+        torchrun); `kill(pgid, signal)` is os.killpg unless a test injects its own.
+        `attempt`: only decisions about this attempt are carried out (None: any decision
+        written after this agent started)."""
+        self.store, self.node, self.hb_dir, self.poll_s = store, node, Path(hb_dir), poll_s
+        self.pgid, self.kill, self.attempt = pgid, kill, attempt
+        self._sent: dict[int, bytes] = {}  # rank -> the record + state last published
+        self._exits_sent: dict[int, tuple] = {}
+        store.register_node(node)
+        # Without an attempt to match, a stop written before this agent started (an earlier
+        # attempt's) must not kill the torchrun it was just given.
+        old = store.read_decision() if attempt is None else None
+        self._done_seq = old["seq"] if old else 0
+
+    def poll_once(self) -> dict | None:
+        """One look and one report; returns the decision carried out, if any."""
+        attempts = self._publish_ranks()
+        self._publish_exits(attempts)
+        self.store.beat_agent(self.node, self.poll_s)
+        return self._follow_decision()
+
+    def run_until(self, stop: threading.Event) -> None:
+        """Poll until `stop` is set. A store that stops answering is said once, not per poll:
+        the ranks keep running, and the coordinator sees this node's beats stop."""
+        failing = False
+        while not stop.is_set():
+            try:
+                self.poll_once()
+                failing = False
+            except ConnectionError as e:
+                if not failing:
+                    log.error("agent %s: %s", self.node, e)
+                failing = True
+            stop.wait(self.poll_s)
+
+    # -- one poll ----------------------------------------------------------------------------
+    def _publish_ranks(self) -> dict[int, int]:
+        """Publish every rank whose record or state changed; returns rank -> its attempt."""
+        attempts = {}
+        for rank, path in _rank_files(self.hb_dir, ".hb"):
+            raw = _read_record(path)
+            beat = unpack_record(raw, rank) if raw is not None else None
+            if beat is None:
+                continue  # absent or torn: the next poll reads it whole
+            attempts[rank] = beat.attempt
+            state = process_state(beat.pid) or GONE
+            value = raw + state.encode()
+            if self._sent.get(rank) != value:
+                self.store.publish_rank(rank, raw, self.node, state)
+                self._sent[rank] = value
+        return attempts
+
+    def _publish_exits(self, attempts: dict[int, int]) -> None:
+        for rank, _ in _rank_files(self.hb_dir, ".exit"):
+            code = exit_code(self.hb_dir, rank)
+            if code is None:
+                continue
+            said = (code, exit_message(self.hb_dir, rank) or "", attempts.get(rank, self.attempt))
+            if self._exits_sent.get(rank) != said:
+                self.store.report_exit(rank, said[0], said[1], self.node, said[2])
+                self._exits_sent[rank] = said
+
+    def _follow_decision(self) -> dict | None:
+        d = self.store.read_decision()
+        if d is None or d["seq"] <= self._done_seq:
+            return None
+        self._done_seq = d["seq"]
+        if self.attempt is not None and d["attempt"] != self.attempt:
+            return None  # about another attempt than the one this node runs
+        if d["action"] != "stop":
+            detail = f"unknown action {d['action']!r}: ignored"
+        elif self.pgid is None:
+            detail = "no process group to stop"
+        else:
+            try:
+                self.kill(self.pgid, signal.SIGKILL)  # no grace: peers would wait on gloo
+                detail = f"killed process group {self.pgid}"
+            except ProcessLookupError:
+                detail = f"process group {self.pgid} was already gone"
+            except OSError as e:  # said to the coordinator, which decides what next
+                detail = f"could not kill process group {self.pgid}: {e}"
+        log.info("agent %s: %s (%s)", self.node, detail, d.get("reason", ""))
+        self.store.report_done(self.node, d, detail)
+        return d
+
+
+def _rank_files(hb_dir: Path, suffix: str) -> list[tuple[int, Path]]:
+    """(rank, path) of hb_dir/rank{N}{suffix}, as heartbeat.read_all finds them."""
+    out = []
+    for p in hb_dir.glob(f"rank*{suffix}") if hb_dir.is_dir() else ():
+        n = p.name.removeprefix("rank").removesuffix(suffix)
+        if n.isdigit():
+            out.append((int(n), p))
+    return sorted(out)
+
+
+def _read_record(path: Path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(RECORD_SIZE)
+    except OSError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wanka.control.agent", description=__doc__)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--node", default=os.environ.get("WANKA_NODE") or os.uname().nodename)
+    p.add_argument("--hb-dir", type=Path, required=True)
+    p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--pgid", type=int, default=None, help="process group to kill on stop")
+    p.add_argument("--attempt", type=int, default=None)
+    p.add_argument("--timeout-s", type=float, default=30.0, help="to reach the store")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        store = ControlStore.connect(a.host, a.port, a.job, a.timeout_s)
+        agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt)
+    except ConnectionError as e:
+        print(f"wanka agent {a.node}: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.run_until(stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The coordinator: finds the job's faults from the control store alone and writes decisions.
+
+It never reads a heartbeat file or /proc: what it knows of a rank is what that rank's node agent
+published (record, process state, exit mark). The rules are the supervisor's (resilience/
+supervisor.py, resilience/monitor.py), moved off the shared filesystem:
+
+* node_lost: an agent whose beat counter has not advanced for `agent_timeout_s`, timed on the
+  coordinator's own clock (a counter, not a timestamp, so no two hosts' clocks are compared).
+  Its ranks are not blamed separately: what they last published is stale, not wrong.
+* process_crash (startup_failure before step 1), user_error, preempted: a rank whose process
+  is gone or a zombie out of the `done` phase, or that reported a non-zero exit. The culprit is
+  a rank that was killed; ranks that exited with an error usually died of losing it.
+* hang: monitor.py's learned per-phase limits, and its culprit: a stopped (T) or
+  uninterruptible (D) rank if there is one, else the one that stopped making progress first.
+
+While any agent is late (a few polls without a beat) no crash or hang is named: a host going
+down stalls or breaks the ranks of every other host, and the cause is that host.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from wanka.control.store import DEAD_STATES, ControlStore, ExitReport, RankReport
+from wanka.resilience.monitor import UNWATCHED, Hang, HangMonitor, Timeouts
+
+# The supervisor's exit codes (resilience/supervisor.py), not imported from there: the
+# supervisor is to import this module, and the cycle would break at import time.
+EXIT_USER_ERROR = 2
+EXIT_PREEMPTED = 75
+LATE_POLLS = 3  # an agent this many polls behind may be going down: hold verdicts back
+LATE_MIN_S = 1.0
+
+
+@dataclass(frozen=True)
+class ControlFault:
+    cause: str  # process_crash, startup_failure, user_error, preempted, hang, node_lost
+    rank: int | None
+    node: str | None
+    detail: str  # worded as the supervisor words it for the ledger and the timeline
+    t_fault: float | None = None  # when it happened as far as known, on the coordinator's clock
+    state: str | None = None  # the culprit rank's process state, as its node saw it
+
+    def describe(self) -> str:
+        where = (
+            f"node {self.node}" if self.rank is None else f"rank {self.rank} on node {self.node}"
+        )
+        return f"{where}: {self.cause} ({self.detail})"
+
+
+class Coordinator:
+    def __init__(self, store: ControlStore, world_size: int, timeouts: Timeouts,
+                 agent_timeout_s: float = 10.0, attempt: int | None = None) -> None:  # fmt: skip
+        """`attempt`: only heartbeats and exits of that attempt count (the store outlives
+        attempts; None: all). Set `.attempt` again when the next attempt starts."""
+        self.store, self.world_size, self.timeouts = store, world_size, timeouts
+        self.agent_timeout_s, self.attempt = agent_timeout_s, attempt
+        self.monitor = HangMonitor(timeouts)
+        # node -> (beat counter, when it last advanced on our clock, the agent's poll period)
+        self._heard: dict[str, tuple[int, float, float]] = {}
+        # node -> that host's clock minus ours, as of its last beat (underestimated by the
+        # delay before we saw it: a stall is never overstated by clock skew)
+        self._offset: dict[str, float] = {}
+
+    def check(self, now: float | None = None) -> ControlFault | None:
+        """One look at the store; the fault to act on, or None."""
+        now = time.time() if now is None else now
+        agents = self.store.read_agents()
+        for node in self.store.nodes():
+            beat = agents.get(node)
+            count, poll_s = (beat.count, beat.poll_s) if beat else (0, 0.0)
+            heard = self._heard.get(node)
+            if heard is None or heard[0] != count:
+                self._heard[node] = (count, now, poll_s)
+                if beat is not None:
+                    self._offset[node] = beat.t - now
+        lost = self._lost(now)
+        if lost is not None:
+            return lost
+        ranks = {r: rep for r, rep in self.store.read_ranks(self.world_size).items()
+                 if self._current(rep.beat.attempt)}  # fmt: skip
+        exits = {r: e for r, e in self.store.read_exits(self.world_size).items()
+                 if e.attempt is None or self._current(e.attempt)}  # fmt: skip
+        self.timeouts.observe(rep.beat for rep in ranks.values())
+        if self._any_late(now):
+            return None
+        return self._exited(ranks, exits, now) or self._hung(ranks, now)
+
+    def decide_stop(self, attempt: int, reason: str) -> dict:
+        """Tell every agent to kill its ranks; returns the decision as written."""
+        return self.store.write_decision("stop", attempt, reason)
+
+    # -- the rules ---------------------------------------------------------------------------
+    def _current(self, attempt: int) -> bool:
+        return self.attempt is None or attempt == self.attempt
+
+    def _lost(self, now: float) -> ControlFault | None:
+        silent = {n: now - t for n, (_, t, _) in self._heard.items()}
+        over = [n for n, s in silent.items() if s > self.agent_timeout_s]
+        if not over:
+            return None
+        node = max(over, key=lambda n: silent[n])  # the first to go quiet
+        detail = f"agent silent for {silent[node]:.1f} s, limit {self.agent_timeout_s:.1f} s"
+        return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1])
+
+    def _any_late(self, now: float) -> bool:
+        return any(
+            now - t > max(LATE_POLLS * poll_s, LATE_MIN_S) for _, t, poll_s in self._heard.values()
+        )
+
+    def _exited(self, ranks: dict[int, RankReport], exits: dict[int, ExitReport],
+                now: float) -> ControlFault | None:  # fmt: skip
+        said = {r: e for r, e in exits.items() if e.code != 0}
+        dead = set(said) | {
+            r for r, rep in ranks.items() if rep.state in DEAD_STATES and rep.beat.phase != "done"
+        }
+        if not dead:
+            return None
+        codes = {said[r].code for r in dead if r in said}
+        if EXIT_USER_ERROR in codes:  # it said why; retrying cannot help
+            rank = min(r for r in dead if r in said and said[r].code == EXIT_USER_ERROR)
+            cause = "user_error"
+        elif EXIT_PREEMPTED in codes:
+            rank = min(r for r in dead if r in said and said[r].code == EXIT_PREEMPTED)
+            cause = "preempted"
+        else:
+            rank = min(dead, key=lambda r: (r in said, r))
+            cause = "process_crash"
+        rep, exit_ = ranks.get(rank), said.get(rank)
+        how = f"exit {exit_.code}" if exit_ else f"process {rep.state}" if rep else "exited"
+        if exit_ and exit_.message:
+            how += f": {exit_.message}"
+        if rep is None:
+            detail = f"rank {rank} died, {how}"
+        elif rep.beat.step < 0 and cause == "process_crash":
+            cause = "startup_failure"
+            detail = f"rank {rank} died while starting ({rep.beat.phase}), {how}"
+        else:
+            detail = f"rank {rank} died in {rep.beat.phase} of step {rep.beat.step + 1}, {how}"
+        node = rep.node if rep else exit_.node if exit_ else None
+        return ControlFault(cause, rank, node, detail, t_fault=now,
+                            state=rep.state if rep else None)  # fmt: skip
+
+    def _hung(self, ranks: dict[int, RankReport], now: float) -> ControlFault | None:
+        def since(rep: RankReport) -> float:  # when it entered its phase, on our clock
+            return rep.beat.since - self._offset.get(rep.node, 0.0)
+
+        live = [rep for rep in ranks.values() if rep.beat.phase not in UNWATCHED]
+        over = [rep for rep in live if now - since(rep) > self.monitor.limit(rep.beat)]
+        if not over:
+            return None
+        stuck = [rep for rep in live if rep.state in ("T", "t", "D")]
+        c = min(stuck or live, key=lambda rep: (rep.beat.step, since(rep)))
+        hang = Hang(c.beat.rank, c.beat.phase, c.beat.step, since(c), now - since(c),
+                    self.monitor.limit(c.beat), c.state)  # fmt: skip
+        return ControlFault("hang", c.beat.rank, c.node, hang.describe(), t_fault=since(c),
+                            state=c.state)  # fmt: skip

@@ -1,0 +1,305 @@
+"""The control plane's logic on a real TCPStore served in this process: the store's key layout
+and errors, one node agent polled by hand, and the coordinator's rules on published records."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from wanka.control import coordinator as coord
+from wanka.control.agent import NodeAgent
+from wanka.control.coordinator import Coordinator
+from wanka.control.store import ControlStore, unpack_record
+from wanka.resilience import heartbeat, supervisor
+from wanka.resilience.heartbeat import PHASES, Reporter, read_beat
+from wanka.resilience.monitor import Timeouts
+
+# Generous: on some sandboxes one TCPStore connection in a few dozen takes 5 s to be accepted.
+CONNECT_S = 20
+
+
+@pytest.fixture
+def server():
+    return ControlStore.serve("127.0.0.1", 0, "job1", timeout_s=CONNECT_S)
+
+
+def client(server: ControlStore, job: str = "job1") -> ControlStore:
+    return ControlStore.connect("127.0.0.1", server.port, job, timeout_s=CONNECT_S)
+
+
+def record(step: int, phase: str, since: float, pid: int = 4242, attempt: int = 1,
+           done: dict[str, float] | None = None) -> bytes:  # fmt: skip
+    """A heartbeat record as Reporter packs it; `done`: the phases' recent longest durations."""
+    mx = [(done or {}).get(p, 0.0) for p in PHASES]
+    return struct.pack(heartbeat._FMT, heartbeat._MAGIC, pid, attempt, step,
+                       heartbeat.PHASE_ID[phase], since, since, *mx)  # fmt: skip
+
+
+# -- the store -------------------------------------------------------------------------------
+def test_a_record_read_from_the_store_is_the_one_the_file_holds(tmp_path, server):
+    rep = Reporter(tmp_path, rank=3, attempt=2)
+    rep.enter("forward", step=7)
+    raw = (tmp_path / "rank3.hb").read_bytes()
+    assert unpack_record(raw, 3) == read_beat(tmp_path / "rank3.hb")
+    assert unpack_record(raw[:-1], 3) is None  # torn
+    assert unpack_record(b"XXXX" + raw[4:], 3) is None
+
+    client(server).publish_rank(3, raw, "n1", "S")
+    got = server.read_ranks(world_size=8)
+    assert list(got) == [3]
+    assert got[3].beat == read_beat(tmp_path / "rank3.hb")
+    assert (got[3].node, got[3].state) == ("n1", "S")
+
+
+def test_every_key_lives_under_its_job_and_jobs_do_not_mix(server):
+    other = client(server, job="job2")
+    a = client(server)
+    a.register_node("n1")
+    a.beat_agent("n1", 0.1)
+    a.publish_rank(0, record(1, "data", time.time()), "n1", "R")
+    a.report_exit(0, 1, "boom", "n1", 1)
+    a.write_decision("stop", 1, "test")
+    assert all(k.startswith("wanka/job1/") for k in server.store.list_keys())
+    assert other.read_ranks(4) == {} and other.read_exits(4) == {} and other.nodes() == []
+    assert other.read_decision() is None
+
+
+def test_agents_registering_at_once_are_all_kept(server):
+    clients = [client(server) for _ in range(4)]
+    start = threading.Barrier(len(clients))
+
+    def register(i: int) -> None:
+        start.wait()
+        for j in range(5):
+            clients[i].register_node(f"n{i}-{j}")
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clients[0].register_node("n0-0")  # a restarted agent registers again
+    assert server.nodes() == sorted(f"n{i}-{j}" for i in range(4) for j in range(5))
+
+
+def test_agent_beats_count_up_and_decisions_carry_a_sequence(server):
+    c = client(server)
+    c.register_node("n1")
+    assert [c.beat_agent("n1", 0.2) for _ in range(3)] == [1, 2, 3]
+    beat = server.read_agents()["n1"]
+    assert (beat.count, beat.poll_s) == (3, 0.2) and beat.t <= time.time()
+    first = server.write_decision("stop", 1, "hang")
+    second = server.write_decision("stop", 1, "hang")
+    assert second["seq"] == first["seq"] + 1
+    assert c.read_decision() == second
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_store_is_one_line_naming_host_and_port():
+    port = _free_port()
+    with pytest.raises(ConnectionError) as e:
+        ControlStore.connect("127.0.0.1", port, "job1", timeout_s=1)
+    assert f"127.0.0.1:{port}" in str(e.value) and "\n" not in str(e.value)
+    assert "coordinator running" in str(e.value)
+
+
+def test_a_port_in_use_is_one_line(server):
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{server.port}.*port in use"):
+        ControlStore.serve("127.0.0.1", server.port, "job1")
+
+
+def test_a_store_that_went_away_is_a_connection_error():
+    srv = ControlStore.serve("127.0.0.1", 0, "job1", timeout_s=CONNECT_S)
+    c = client(srv)
+    del srv
+    with pytest.raises(ConnectionError, match=r"127\.0\.0\.1:\d+ failed to .*coordinator still"):
+        for _ in range(20):  # a write may land in the socket's buffer; a read cannot
+            c.nodes()
+            time.sleep(0.05)
+
+
+# -- the node agent, polled by hand -----------------------------------------------------------
+def test_agent_publishes_its_ranks_their_state_exits_and_its_beat(tmp_path, server):
+    rep = Reporter(tmp_path, rank=1, attempt=1)  # a rank that is this process: alive
+    rep.enter("data", step=0)
+    (tmp_path / "rank0.hb").write_bytes(record(0, "forward", time.time(), pid=2**22 + 12345))
+    (tmp_path / "rank0.exit").write_text("2\nbad config: data.path missing")
+    (tmp_path / "rank5.hb").write_bytes(b"torn")
+    agent = NodeAgent(client(server), "n1", tmp_path, poll_s=0.1)
+    assert agent.poll_once() is None
+    ranks = server.read_ranks(8)
+    assert sorted(ranks) == [0, 1]
+    assert ranks[1].state in ("R", "S") and ranks[1].node == "n1"
+    assert ranks[0].state == "gone"
+    ex = server.read_exits(8)[0]
+    assert (ex.code, ex.message, ex.node, ex.attempt) == (
+        2,
+        "bad config: data.path missing",
+        "n1",
+        1,
+    )
+    assert server.read_agents()["n1"].count == 1
+    agent.poll_once()
+    assert server.read_agents()["n1"].count == 2
+
+
+def test_a_stop_kills_the_given_group_once(tmp_path, server):
+    stale = server.write_decision("stop", 0, "an earlier attempt's")
+    killed = []
+    agent = NodeAgent(client(server), "n1", tmp_path, 0.1, pgid=777,
+                      kill=lambda pg, sig: killed.append((pg, sig)))  # fmt: skip
+    agent.poll_once()
+    assert killed == []  # written before this agent started
+    d = Coordinator(server, 4, Timeouts(tmp_path / "t.json", 3.0, 1.0, 5.0)).decide_stop(1, "hang")
+    assert d["seq"] == stale["seq"] + 1
+    assert agent.poll_once() == d
+    agent.poll_once()
+    assert killed == [(777, signal.SIGKILL)]
+    done = server.read_done()["n1"]
+    assert (done["seq"], done["detail"]) == (d["seq"], "killed process group 777")
+
+
+def test_an_agent_of_one_attempt_ignores_stops_for_another(tmp_path, server):
+    killed = []
+    agent = NodeAgent(client(server), "n1", tmp_path, 0.1, pgid=5, attempt=2,
+                      kill=lambda pg, sig: killed.append(pg))  # fmt: skip
+    server.write_decision("stop", 1, "late word about attempt 1")
+    agent.poll_once()
+    server.write_decision("stop", 2, "hang")
+    agent.poll_once()
+    assert killed == [5]
+
+
+# -- the coordinator's rules -----------------------------------------------------------------
+@pytest.fixture
+def job(tmp_path, server):
+    """Two nodes whose agents beat; ranks 0-1 on n1, 2-3 on n2, all in step 3 of attempt 1."""
+    agents = {n: client(server) for n in ("n1", "n2")}
+    for n, c in agents.items():
+        c.register_node(n)
+        c.beat_agent(n, 0.1)
+    now = time.time()
+    done = {"data": 0.05, "forward": 0.2, "backward": 0.3, "optimizer": 0.1}
+    for r in range(4):
+        node = "n1" if r < 2 else "n2"
+        agents[node].publish_rank(r, record(3, "forward", now - 0.1, done=done), node, "S")
+    timeouts = Timeouts(tmp_path / "t.json", factor=3.0, floor=1.0, initial=5.0)
+    return Coordinator(server, 4, timeouts, agent_timeout_s=5.0, attempt=1), agents, now
+
+
+def test_a_healthy_job_has_no_fault(job):
+    c, _, now = job
+    assert c.check(now) is None
+
+
+def test_a_gone_rank_is_a_crash_on_its_node(job):
+    c, agents, now = job
+    agents["n2"].publish_rank(3, record(3, "backward", now - 0.1), "n2", "gone")
+    f = c.check(now)
+    assert (f.cause, f.rank, f.node) == ("process_crash", 3, "n2")
+    assert f.describe() == (
+        "rank 3 on node n2: process_crash (rank 3 died in backward of step 4, process gone)"
+    )
+
+
+def test_the_killed_rank_is_blamed_not_the_ones_that_exited_of_it(job):
+    c, agents, now = job
+    agents["n1"].publish_rank(0, record(3, "sync", now), "n1", "gone")
+    agents["n1"].report_exit(0, 1, "", "n1", 1)  # lost its peer in a collective
+    agents["n2"].publish_rank(2, record(3, "sync", now), "n2", "Z")
+    f = c.check(now)
+    assert (f.cause, f.rank, f.node, f.state) == ("process_crash", 2, "n2", "Z")
+
+
+def test_an_exit_code_2_is_a_user_error_with_its_words(job):
+    c, agents, now = job
+    agents["n1"].publish_rank(1, record(-1, "init", now), "n1", "gone")
+    agents["n1"].report_exit(1, supervisor.EXIT_USER_ERROR, "data.path: no such file", "n1", 1)
+    f = c.check(now)
+    assert (f.cause, f.rank, f.node) == ("user_error", 1, "n1")
+    assert "data.path: no such file" in f.detail
+
+
+def test_a_death_before_the_first_step_is_a_startup_failure(job):
+    c, agents, now = job
+    agents["n1"].publish_rank(0, record(-1, "init", now), "n1", "gone")
+    assert c.check(now).cause == "startup_failure"
+
+
+def test_a_finished_rank_that_left_is_no_fault_nor_is_another_attempt(job):
+    c, agents, now = job
+    agents["n1"].publish_rank(0, record(4, "done", now), "n1", "gone")
+    agents["n1"].publish_rank(1, record(3, "forward", now, attempt=0), "n1", "gone")
+    agents["n1"].report_exit(1, 1, "", "n1", 0)
+    assert c.check(now) is None
+
+
+def test_the_exit_codes_are_the_supervisors():
+    assert (coord.EXIT_USER_ERROR, coord.EXIT_PREEMPTED) == (
+        supervisor.EXIT_USER_ERROR,
+        supervisor.EXIT_PREEMPTED,
+    )
+
+
+def test_a_stopped_rank_is_the_hang_culprit_by_its_published_state(job):
+    c, agents, now = job
+    done = {"forward": 0.2, "backward": 0.3}
+    for r in range(4):  # every rank overstays: the others wait for the stopped one
+        node, state = ("n1", "S") if r < 2 else ("n2", "T" if r == 3 else "S")
+        agents[node].publish_rank(r, record(3, "backward", now - 2.0, done=done), node, state)
+    f = c.check(now)
+    assert (f.cause, f.rank, f.node, f.state) == ("hang", 3, "n2", "T")
+    assert "stopped (SIGSTOP)" in f.detail and "limit 1.0 s" in f.detail
+
+
+def test_a_phase_not_yet_completed_keeps_the_start_up_grace(job):
+    c, agents, now = job
+    agents["n1"].publish_rank(0, record(0, "forward", now - 3.0), "n1", "R")
+    assert c.check(now) is None  # a phase it never completed: initial 5 s, not the 1 s floor
+    agents["n1"].publish_rank(0, record(0, "forward", now - 6.0), "n1", "R")
+    f = c.check(now)
+    assert (f.cause, f.rank) == ("hang", 0)
+
+
+def test_a_silent_agent_is_node_lost_and_its_ranks_are_not_blamed(job):
+    c, agents, now = job
+    assert c.check(now) is None
+    agents["n1"].beat_agent("n1", 0.1)
+    # n2's agent is gone; its ranks' last words look stuck by now, and one looks dead
+    agents["n2"].publish_rank(2, record(3, "forward", now - 30), "n2", "gone")
+    assert c.check(now + 2.0) is None  # n2 is late: no verdict on anyone yet
+    agents["n1"].beat_agent("n1", 0.1)
+    f = c.check(now + 6.0)
+    assert (f.cause, f.rank, f.node) == ("node_lost", None, "n2")
+    assert f.describe() == "node n2: node_lost (agent silent for 6.0 s, limit 5.0 s)"
+
+
+def test_a_host_whose_clock_lags_shows_no_false_hang(job, monkeypatch):
+    c, agents, _ = job
+    lag, real = 100.0, time.time
+
+    def beat_n2_on_its_clock() -> None:
+        monkeypatch.setattr(time, "time", lambda: real() - lag)
+        agents["n2"].beat_agent("n2", 0.1)
+        monkeypatch.setattr(time, "time", real)
+
+    beat_n2_on_its_clock()
+    done = {"forward": 0.2}
+    agents["n2"].publish_rank(2, record(3, "forward", real() - lag - 0.1, done=done), "n2", "S")
+    assert c.check(real()) is None  # 100 s "ago" on n2's clock is 0.1 s ago
+    agents["n2"].publish_rank(2, record(3, "forward", real() - lag - 3.0, done=done), "n2", "S")
+    agents["n1"].beat_agent("n1", 0.1)
+    beat_n2_on_its_clock()
+    f = c.check(real())
+    assert (f.cause, f.rank, f.node) == ("hang", 2, "n2")
+    assert abs(f.t_fault - (real() - 3.0)) < 1.0  # when it stalled, on the coordinator's clock
