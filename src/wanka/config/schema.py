@@ -190,6 +190,10 @@ class ResilienceConfig:
     spike_factor: float = 0.0  # loss > factor x running mean = spike (0 = off)
     preflight: Literal["off", "static", "full"] = "static"  # before every (re)launch
     snapshot_max_age_h: float = 24.0  # snapshots of jobs idle this long are swept at start
+    # How a --cluster supervisor watches the ranks: "files" (every node's heartbeats in the
+    # shared run directory) or "store" (a node agent per node publishes its own ranks to a
+    # control store the supervisor serves; docs/RESILIENCE.md)
+    control: Literal["files", "store"] = "files"
 
 
 @dataclass

@@ -4,9 +4,14 @@ Every poll it reads the local ranks' heartbeat records and exit marks (resilienc
 looks up each rank's process state in /proc (only this host can), publishes all of it to the
 control store, then beats its own liveness counter: a beat that advanced means the rank data
 before it is fresh. It then follows the coordinator's decision: on "stop" it kills the process
-group it was given (the local torchrun and its ranks).
+group it was given (the local torchrun and its ranks), or that of the command it started.
 
     python -m wanka.control.agent --host H --port P --job J --node N --hb-dir DIR [--pgid G]
+    python -m wanka.control.agent --host H ... --hb-dir DIR -- torchrun ...
+
+With a command after `--` the agent starts it in a process group of its own (the group a stop
+kills), forwards SIGTERM to it (torchrun passes it on to its ranks: the last-gasp checkpoint),
+publishes once more when it exits, and exits with its code (128 + N for signal N).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -39,6 +45,7 @@ class NodeAgent:
         self.pgid, self.kill, self.attempt = pgid, kill, attempt
         self._sent: dict[int, bytes] = {}  # rank -> the record + state last published
         self._exits_sent: dict[int, tuple] = {}
+        self._pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, attempt) of its record
         store.register_node(node)
         # Without an attempt to match, a stop written before this agent started (an earlier
         # attempt's) must not kill the torchrun it was just given.
@@ -76,6 +83,7 @@ class NodeAgent:
             if beat is None:
                 continue  # absent or torn: the next poll reads it whole
             attempts[rank] = beat.attempt
+            self._pids[rank] = (beat.pid, beat.attempt)
             state = process_state(beat.pid) or GONE
             value = raw + state.encode()
             if self._sent.get(rank) != value:
@@ -108,6 +116,7 @@ class NodeAgent:
             try:
                 self.kill(self.pgid, signal.SIGKILL)  # no grace: peers would wait on gloo
                 detail = f"killed process group {self.pgid}"
+                self._kill_ranks()
             except ProcessLookupError:
                 detail = f"process group {self.pgid} was already gone"
             except OSError as e:  # said to the coordinator, which decides what next
@@ -115,6 +124,17 @@ class NodeAgent:
         log.info("agent %s: %s (%s)", self.node, detail, d.get("reason", ""))
         self.store.report_done(self.node, d, detail)
         return d
+
+    def _kill_ranks(self) -> None:
+        """torchrun starts each rank in a session of its own: killing its group leaves them.
+        Only pids of this attempt's records: an older record's pid may be reused."""
+        for pid, attempt in self._pids.values():
+            if self.attempt is not None and attempt != self.attempt:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _rank_files(hb_dir: Path, suffix: str) -> list[tuple[int, Path]]:
@@ -146,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pgid", type=int, default=None, help="process group to kill on stop")
     p.add_argument("--attempt", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=30.0, help="to reach the store")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: start and watch it")
     a = p.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         store = ControlStore.connect(a.host, a.port, a.job, a.timeout_s)
@@ -155,10 +177,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wanka agent {a.node}: {e}", file=sys.stderr)
         return 1
     stop = threading.Event()
+    if cmd:
+        return run_command(agent, cmd, stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     agent.run_until(stop)
     return 0
+
+
+def run_command(agent: NodeAgent, cmd: list[str], stop: threading.Event) -> int:
+    """Run `cmd` as the agent's child, in its own process group, until it exits."""
+    child = subprocess.Popen(cmd, process_group=0)
+    agent.pgid = child.pid
+
+    def forward(sig: int, _frame) -> None:
+        try:
+            child.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True).start()
+    agent.run_until(stop)
+    try:
+        agent.poll_once()  # the ranks' last records and exit marks
+    except ConnectionError as e:
+        log.error("agent %s: %s", agent.node, e)
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
 
 
 if __name__ == "__main__":

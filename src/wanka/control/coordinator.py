@@ -6,6 +6,7 @@ supervisor.py, resilience/monitor.py), moved off the shared filesystem:
 
 * node_lost: an agent whose beat counter has not advanced for `agent_timeout_s`, timed on the
   coordinator's own clock (a counter, not a timestamp, so no two hosts' clocks are compared).
+  A node whose ranks all reached `done` is not lost when its agent goes quiet.
   Its ranks are not blamed separately: what they last published is stale, not wrong.
 * process_crash (startup_failure before step 1), user_error, preempted: a rank whose process
   is gone or a zombie out of the `done` phase, or that reported a non-zero exit. The culprit is
@@ -75,15 +76,16 @@ class Coordinator:
                 self._heard[node] = (count, now, poll_s)
                 if beat is not None:
                     self._offset[node] = beat.t - now
-        lost = self._lost(now)
-        if lost is not None:
-            return lost
         ranks = {r: rep for r, rep in self.store.read_ranks(self.world_size).items()
                  if self._current(rep.beat.attempt)}  # fmt: skip
+        finished = _finished(ranks)
+        lost = self._lost(now, finished)
+        if lost is not None:
+            return lost
         exits = {r: e for r, e in self.store.read_exits(self.world_size).items()
                  if e.attempt is None or self._current(e.attempt)}  # fmt: skip
         self.timeouts.observe(rep.beat for rep in ranks.values())
-        if self._any_late(now):
+        if self._any_late(now, finished):
             return None
         return self._exited(ranks, exits, now) or self._hung(ranks, now)
 
@@ -95,8 +97,8 @@ class Coordinator:
     def _current(self, attempt: int) -> bool:
         return self.attempt is None or attempt == self.attempt
 
-    def _lost(self, now: float) -> ControlFault | None:
-        silent = {n: now - t for n, (_, t, _) in self._heard.items()}
+    def _lost(self, now: float, finished: set[str]) -> ControlFault | None:
+        silent = {n: now - t for n, (_, t, _) in self._heard.items() if n not in finished}
         over = [n for n, s in silent.items() if s > self.agent_timeout_s]
         if not over:
             return None
@@ -104,9 +106,11 @@ class Coordinator:
         detail = f"agent silent for {silent[node]:.1f} s, limit {self.agent_timeout_s:.1f} s"
         return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1])
 
-    def _any_late(self, now: float) -> bool:
+    def _any_late(self, now: float, finished: set[str]) -> bool:
         return any(
-            now - t > max(LATE_POLLS * poll_s, LATE_MIN_S) for _, t, poll_s in self._heard.values()
+            now - t > max(LATE_POLLS * poll_s, LATE_MIN_S)
+            for n, (_, t, poll_s) in self._heard.items()
+            if n not in finished
         )
 
     def _exited(self, ranks: dict[int, RankReport], exits: dict[int, ExitReport],
@@ -156,3 +160,10 @@ class Coordinator:
                     self.monitor.limit(c.beat), c.state)  # fmt: skip
         return ControlFault("hang", c.beat.rank, c.node, hang.describe(), t_fault=since(c),
                             state=c.state)  # fmt: skip
+
+
+def _finished(ranks: dict[int, RankReport]) -> set[str]:
+    """The nodes whose ranks all reached `done`: their agents end with them, so their
+    silence is no fault."""
+    working = {rep.node for rep in ranks.values() if rep.beat.phase != "done"}
+    return {rep.node for rep in ranks.values()} - working

@@ -22,10 +22,13 @@ from wanka.cluster.state import ClusterState, Node
 
 def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: list[str],
                 env: dict[str, str], attempt: int, stop: threading.Event,
-                preempt: threading.Event, log_dir=None) -> tuple[list[int], str | None]:  # fmt: skip
+                preempt: threading.Event, log_dir=None,
+                launcher=None) -> tuple[list[int], str | None]:  # fmt: skip
     """Returns (exit codes of the node launchers, name of the first node that failed).
     `stop`: tear down now (the monitor saw a fault); `preempt`: forward SIGTERM to every
-    node's torchrun (which forwards it to the ranks) and give the last-gasp checkpoint time."""
+    node's torchrun (which forwards it to the ranks) and give the last-gasp checkpoint time.
+    `launcher` (resilience.control = "store"): wraps each node's torchrun in its node agent
+    (.command, .env) and tears a node down its own way (.kill)."""
     rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"
     port = RDZV_PORT + attempt % 50  # a torn-down store may still hold the last port briefly
     procs: dict[str, subprocess.Popen] = {}
@@ -35,7 +38,10 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
             log_dir.mkdir(parents=True, exist_ok=True)
             out = open(log_dir / f"{node.name}-attempt{attempt}.log", "w")  # noqa: SIM115
         argv = torchrun_argv(st, i, nproc, ["-m", "wanka.cli", *worker_argv], rdzv_id, port, nodes)
-        procs[node.name] = nd.popen(node, argv, env={**os.environ, **env}, stdout=out,
+        node_env = {**os.environ, **env}
+        if launcher is not None:
+            argv, node_env = launcher.command(node, argv), launcher.env(node, node_env)
+        procs[node.name] = nd.popen(node, argv, env=node_env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     first_failed = None
     try:
@@ -54,8 +60,10 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 break
             time.sleep(0.05)
     finally:
-        for p in procs.values():  # the whole process group: torchrun and its ranks
-            if p.poll() is None:
+        for name, p in procs.items():  # the whole process group: torchrun and its ranks
+            if launcher is not None:
+                launcher.kill(name, p)
+            elif p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -138,6 +138,13 @@ class Supervisor:
             from wanka.cluster.state import require
 
             self.cluster = require(cluster_state or None)
+        self.control = None  # resilience.control = "store": resilience/store_attempt.py
+        if self.rc.control == "store" and self.cluster is not None:
+            from wanka.resilience.store_attempt import StoreControl
+
+            self.control = StoreControl(self)
+        elif self.rc.control == "store":
+            log.warning("resilience.control = store applies to --cluster jobs: watching files")
         self._preempt = threading.Event()
         self._warned: set[str] = set()
 
@@ -179,7 +186,10 @@ class Supervisor:
         out = Outcome("success")
         self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
         stop = threading.Event()
-        watcher = threading.Thread(target=self._watch, args=(hb_dir, attempt, out, stop),
+        if self.control is not None:
+            self.control.begin(attempt, self.active_nodes())
+        watch = self.control.watch if self.control is not None else self._watch
+        watcher = threading.Thread(target=watch, args=(hb_dir, attempt, out, stop),
                                    name="wanka-monitor", daemon=True)  # fmt: skip
         watcher.start()
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -202,7 +212,11 @@ class Supervisor:
             self._catch_stop_requests()  # the agent left its own handlers behind
         # What the ranks said on exit. A stop request ends the job whether or not the ranks
         # managed their last-gasp checkpoint; `confirmed` says whether they did.
-        codes = {exit_code(hb_dir, int(p.stem[4:])) for p in hb_dir.glob("rank*.exit")} - {None}
+        marks = self.control.exit_marks() if self.control is not None else None
+        if marks is not None:  # what the node agents published
+            codes = {code for code, _ in marks.values()}
+        else:
+            codes = {exit_code(hb_dir, int(p.stem[4:])) for p in hb_dir.glob("rank*.exit")} - {None}
         if EXIT_PREEMPTED in codes or self._preempt.is_set():
             out.cause = "preempted"
         elif EXIT_USER_ERROR in codes and out.cause != "preempted":
@@ -215,7 +229,9 @@ class Supervisor:
             out.node = node_of(hb_dir, out.rank)
         if out.cause in ("process_crash", "startup_failure") and out.rank is not None:
             out.error = rank_logs.last_exception(self.run_dir, out.rank, self._log_marks)
-        if out.cause == "user_error":  # rank 0's words first: every rank usually says the same
+        if out.cause == "user_error" and marks is not None:
+            out.said = next(filter(None, (marks[r][1] for r in sorted(marks))), None)
+        elif out.cause == "user_error":  # rank 0's words first: every rank usually says the same
             ranks = sorted(int(p.stem[4:]) for p in hb_dir.glob("rank*.exit"))
             out.said = next(filter(None, (exit_message(hb_dir, r) for r in ranks)), None)
         return out
@@ -255,7 +271,7 @@ class Supervisor:
         # WANKA_NODE is replaced by each node's own name (cluster/nodes.py node_env).
         codes, failed = run_attempt(self.cluster, self.active_nodes(), self.nproc, self.worker_argv,
                                     env, attempt, stop, self._preempt,
-                                    self.run_dir / "logs")  # fmt: skip
+                                    self.run_dir / "logs", launcher=self.control)  # fmt: skip
         if any(codes):
             out.codes = [c for c in codes if c]
             out.node = out.node or failed
@@ -413,7 +429,9 @@ class Supervisor:
                 if out.error
                 else ""
             )
-            print(f"{self.says} {out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
+            # With the control store the fault's node is known for sure: say it first.
+            at = self.control.where(out) if self.control is not None else ""
+            print(f"{self.says} {at}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)
             if self.rc.preflight != "off" and self._preflight(live=False):

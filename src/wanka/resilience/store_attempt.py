@@ -1,0 +1,190 @@
+"""resilience.control = "store": a --cluster supervisor that watches its ranks through the
+control plane (wanka/control/) instead of the shared run directory's heartbeat files.
+
+* The supervisor serves the control store (a TCPStore) on node 0's address. The cluster's
+  bridge has no address, so nothing inside a node can reach the host's own namespace: the
+  store's sockets are made by a thread that has entered node 0's network namespace (setns),
+  which puts them in node 0's network; the supervisor's process stays where it is. Every node
+  reaches node 0, as it does for torchrun's rendezvous.
+* Each node runs a node agent (python -m wanka.control.agent ... -- torchrun ...) inside its
+  namespace: torchrun is its child, in a process group the agent kills on a stop decision. The
+  node's ranks write their heartbeats to a folder only that node's agent reads
+  (RUN_DIR/resilience/nodes/NODE/attemptN).
+* A Coordinator names the fault from the store alone (rank, node, cause) and writes the stop
+  decision; restarts, back-off and eviction are the supervisor's, as in the default mode.
+
+Each attempt has its own key space (wanka/JOB/aN/): registrations, exits and decisions of an
+earlier attempt can never be mistaken for this one's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from wanka.control.coordinator import Coordinator
+from wanka.control.store import ControlStore
+
+log = logging.getLogger("wanka.supervisor")
+CLONE_NEWNET = 0x40000000
+AGENT_POLL_S = 0.1
+AGENT_TIMEOUT_S = 10.0  # an agent this long without a beat: its node is lost
+
+
+def serve_in_netns(netns: str, addr: str, job: str) -> ControlStore:
+    """A ControlStore served on `addr` inside network namespace `netns` (/run/netns/NAME),
+    made by a thread that enters the namespace; this process's other threads stay put."""
+    box: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise ConnectionError(f"cannot enter {netns}: {os.strerror(err)} (root?)")
+            finally:
+                os.close(fd)
+            box["store"] = ControlStore.serve(addr, 0, job)
+        except (OSError, ConnectionError) as e:
+            box["error"] = e
+
+    t = threading.Thread(target=serve, name="wanka-control-store")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise ConnectionError(f"control store on {addr} in {netns}: {box['error']}")
+    return box["store"]  # type: ignore[return-value]
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment holds `marker` (a node's WANKA_HB_DIR=...): its
+    agent, torchrun and ranks. torchrun starts each rank in a session of its own, and a rank
+    that never beat is named by no heartbeat record, so neither a group nor a pid list does."""
+    mine = marker.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mine in f.read().split(b"\0"):
+                    os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile
+
+
+class StoreControl:
+    """The supervisor's side of the control plane, one per job; `sup` is the Supervisor."""
+
+    def __init__(self, sup) -> None:
+        self.sup = sup
+        self.server: ControlStore | None = None
+        self.store: ControlStore | None = None
+        self.coordinator: Coordinator | None = None
+        self.attempt, self.world = 0, 0
+
+    def hb_dir(self, node: str, attempt: int | None = None) -> Path:
+        """Node `node`'s own heartbeat folder for an attempt (kept: small, and it says after
+        the job which node each rank of each attempt ran on)."""
+        return self.sup.dir / "nodes" / node / f"attempt{attempt or self.attempt}"
+
+    def begin(self, attempt: int, nodes: list) -> None:
+        """Before attempt `attempt` starts on `nodes`."""
+        if self.server is None:
+            home = self.sup.cluster.nodes[0]
+            try:
+                self.server = serve_in_netns(home.netns, home.addr, self.sup.job)
+            except ConnectionError as e:  # said in one line, as a configuration error
+                raise ValueError(f"resilience.control = store: {e}") from None
+        s = self.server
+        self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
+        self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
+        self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
+                                       AGENT_TIMEOUT_S, attempt=attempt)  # fmt: skip
+        for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
+            shutil.rmtree(self.hb_dir(n.name), ignore_errors=True)
+
+    # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
+    def command(self, node, argv: list[str]) -> list[str]:
+        s = self.store
+        return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
+                str(s.port), "--job", s.job, "--node", node.name, "--hb-dir",
+                str(self.hb_dir(node.name)), "--poll-s", str(AGENT_POLL_S),
+                "--attempt", str(self.attempt), "--", *argv]  # fmt: skip
+
+    def env(self, node, env: dict[str, str]) -> dict[str, str]:
+        return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name))}
+
+    def kill(self, node: str, _p: subprocess.Popen) -> None:
+        """The end of a node's attempt, whatever its agent managed."""
+        kill_marked(f"WANKA_HB_DIR={self.hb_dir(node)}")
+
+    # -- watching ---------------------------------------------------------------------------
+    def watch(self, _hb_dir: Path, attempt: int, out, stop: threading.Event) -> None:
+        """The supervisor's monitor thread in this mode: chaos, stragglers, and faults as the
+        coordinator names them."""
+        flagged: dict[int, set[int]] = {}
+        while True:
+            last = stop.wait(0.05)  # a last look after the attempt ended: a node's torchrun
+            try:  # may exit on a crash before the coordinator named it
+                if self._poll(attempt, out, flagged) or last:
+                    return
+            except ConnectionError as e:
+                log.error("control store: %s", e)
+            except Exception as e:  # the monitor must outlive any one bad poll
+                log.error("monitor poll failed: %s", e)
+            if last:
+                return
+
+    def _poll(self, attempt: int, out, flagged: dict[int, set[int]]) -> bool:
+        from wanka.resilience.monitor import stragglers
+        from wanka.resilience.supervisor import STRAGGLER_STEPS
+
+        sup, now = self.sup, time.time()
+        reports = {r: rep for r, rep in self.store.read_ranks(self.world).items()
+                   if rep.beat.attempt == attempt}  # fmt: skip
+        beats = {r: rep.beat for r, rep in reports.items()}
+        out.max_step = max([out.max_step, *(b.step for b in beats.values())])
+        # Chaos signals the ranks by pid: the cluster-in-a-box's nodes share one pid space.
+        sup.chaos.poll(beats, now, attempt)
+        for r in stragglers(beats, now):
+            steps = flagged.setdefault(r, set())
+            if len(steps) < STRAGGLER_STEPS:
+                steps.add(beats[r].step)
+                if len(steps) == STRAGGLER_STEPS:
+                    sup._record_slow(r, reports[r].node, beats[r], now)
+        fault = self.coordinator.check(now)
+        if fault is None:
+            return False
+        out.cause, out.rank, out.node, out.detail = (
+            fault.cause,
+            fault.rank,
+            fault.node,
+            fault.detail,
+        )
+        out.t_fault = sup.chaos.fault_time(fault.rank) or fault.t_fault or now
+        out.t_detect = now
+        self.coordinator.decide_stop(attempt, fault.describe())  # each agent kills its ranks
+        return True
+
+    @staticmethod
+    def where(out) -> str:
+        """ "rank R on node N: " (or "node N: ") for the supervisor's line about a fault."""
+        if out.node is None:
+            return ""
+        return f"node {out.node}: " if out.rank is None else f"rank {out.rank} on node {out.node}: "
+
+    def exit_marks(self) -> dict[int, tuple[int, str]]:
+        """Rank -> (exit code, message) of the ranks that exited on purpose this attempt."""
+        if self.store is None:
+            return {}
+        return {r: (e.code, e.message) for r, e in self.store.read_exits(self.world).items()}
