@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from wanka.control.store import GONE, ControlStore, unpack_record
+from wanka.control.store import DEAD_STATES, GONE, ControlStore, unpack_record
 from wanka.resilience.heartbeat import RECORD_SIZE, exit_code, exit_message
 from wanka.resilience.monitor import process_state
 
@@ -54,8 +54,12 @@ class NodeAgent:
 
     def poll_once(self) -> dict | None:
         """One look and one report; returns the decision carried out, if any."""
-        attempts = self._publish_ranks()
-        self._publish_exits(attempts)
+        # States are read first and published last, exit marks in between: a rank writes its
+        # mark before it exits, so a rank published as gone has its mark in the store already
+        # and the coordinator never takes an exit on purpose (a user error) for a crash.
+        ranks = self._read_ranks()
+        self._publish_exits({r: beat.attempt for r, (_, beat, _) in ranks.items()})
+        self._publish_ranks(ranks)
         self.store.beat_agent(self.node, self.poll_s)
         return self._follow_decision()
 
@@ -74,22 +78,25 @@ class NodeAgent:
             stop.wait(self.poll_s)
 
     # -- one poll ----------------------------------------------------------------------------
-    def _publish_ranks(self) -> dict[int, int]:
-        """Publish every rank whose record or state changed; returns rank -> its attempt."""
-        attempts = {}
+    def _read_ranks(self) -> dict[int, tuple[bytes, object, str]]:
+        """rank -> (record, Beat, process state) of every local rank with a whole record."""
+        out = {}
         for rank, path in _rank_files(self.hb_dir, ".hb"):
             raw = _read_record(path)
             beat = unpack_record(raw, rank) if raw is not None else None
             if beat is None:
                 continue  # absent or torn: the next poll reads it whole
-            attempts[rank] = beat.attempt
             self._pids[rank] = (beat.pid, beat.attempt)
-            state = process_state(beat.pid) or GONE
+            out[rank] = (raw, beat, process_state(beat.pid) or GONE)
+        return out
+
+    def _publish_ranks(self, ranks: dict[int, tuple[bytes, object, str]]) -> None:
+        """Publish every rank whose record or state changed."""
+        for rank, (raw, _, state) in ranks.items():
             value = raw + state.encode()
             if self._sent.get(rank) != value:
                 self.store.publish_rank(rank, raw, self.node, state)
                 self._sent[rank] = value
-        return attempts
 
     def _publish_exits(self, attempts: dict[int, int]) -> None:
         for rank, _ in _rank_files(self.hb_dir, ".exit"):
@@ -131,6 +138,8 @@ class NodeAgent:
         for pid, attempt in self._pids.values():
             if self.attempt is not None and attempt != self.attempt:
                 continue
+            if (process_state(pid) or GONE) in DEAD_STATES:
+                continue  # exited: its pid may already be another process's
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -32,11 +32,13 @@ from pathlib import Path
 
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
+from wanka.resilience.heartbeat import exit_code, exit_message
 
 log = logging.getLogger("wanka.supervisor")
 CLONE_NEWNET = 0x40000000
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # an agent this long without a beat: its node is lost
+STOP_GRACE_S = 5.0  # after a stop decision, the attempt is torn down from here if still up
 
 
 def serve_in_netns(netns: str, addr: str, job: str) -> ControlStore:
@@ -91,6 +93,8 @@ class StoreControl:
         self.store: ControlStore | None = None
         self.coordinator: Coordinator | None = None
         self.attempt, self.world = 0, 0
+        self.nodes: list[str] = []
+        self._stop_event = threading.Event()  # the current attempt's: set by watch()
 
     def hb_dir(self, node: str, attempt: int | None = None) -> Path:
         """Node `node`'s own heartbeat folder for an attempt (kept: small, and it says after
@@ -107,6 +111,7 @@ class StoreControl:
                 raise ValueError(f"resilience.control = store: {e}") from None
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
+        self.nodes = [n.name for n in nodes]
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
                                        AGENT_TIMEOUT_S, attempt=attempt)  # fmt: skip
@@ -133,6 +138,7 @@ class StoreControl:
         """The supervisor's monitor thread in this mode: chaos, stragglers, and faults as the
         coordinator names them."""
         flagged: dict[int, set[int]] = {}
+        self._stop_event = stop
         while True:
             last = stop.wait(0.05)  # a last look after the attempt ended: a node's torchrun
             try:  # may exit on a crash before the coordinator named it
@@ -174,6 +180,11 @@ class StoreControl:
         out.t_fault = sup.chaos.fault_time(fault.rank) or fault.t_fault or now
         out.t_detect = now
         self.coordinator.decide_stop(attempt, fault.describe())  # each agent kills its ranks
+        # Should no agent act on it (its store link broken, itself stuck), the attempt is torn
+        # down from here after a grace: peers must not wait on gloo until its time-out.
+        timer = threading.Timer(STOP_GRACE_S, self._stop_event.set)
+        timer.daemon = True
+        timer.start()
         return True
 
     @staticmethod
@@ -187,4 +198,16 @@ class StoreControl:
         """Rank -> (exit code, message) of the ranks that exited on purpose this attempt."""
         if self.store is None:
             return {}
-        return {r: (e.code, e.message) for r, e in self.store.read_exits(self.world).items()}
+        try:
+            return {r: (e.code, e.message) for r, e in self.store.read_exits(self.world).items()}
+        except (ConnectionError, RuntimeError) as e:  # the store went with node 0: the files
+            log.error("control store: %s; reading exit marks from the node folders", e)
+        marks = {}
+        for node in self.nodes:
+            folder = self.hb_dir(node)
+            for p in folder.glob("rank*.exit"):
+                rank = int(p.stem.removeprefix("rank"))
+                code = exit_code(folder, rank)
+                if code is not None:
+                    marks[rank] = (code, exit_message(folder, rank) or "")
+        return marks
