@@ -16,7 +16,7 @@ import torch
 from wanka.config.schema import JobConfig, ModelConfig
 from wanka.post.checks import check_common, check_frozen_model, check_length
 from wanka.post.engine import build_sharded, frozen, load_weights, run_config, zero_routing_counts
-from wanka.post.job import PostJob, setup
+from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, per_domain, regularisers, run
 from wanka.post.losses import (
     forward_kl,
@@ -192,6 +192,7 @@ def held_out_loss(job: PostJob, model: torch.nn.Module, names: list[str]) -> dic
     return {d: totals[2 * i] / max(totals[2 * i + 1], 1) for i, d in enumerate(names)}
 
 
+@collected
 def main(cfg: JobConfig) -> dict[str, float]:
     check_distill(cfg)
     job = setup(cfg, "distill")

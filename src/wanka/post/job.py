@@ -6,11 +6,14 @@ checkpoints, metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import json
 import logging
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,6 +223,21 @@ def _prompts(cfg: JobConfig, dp: int, command: str
         train += rows[: -p.eval_prompts] if p.eval_prompts else rows
         held += rows[-p.eval_prompts :] if p.eval_prompts else []
     return train, held
+
+
+def collected(main: Callable[[JobConfig], dict]) -> Callable[[JobConfig], dict]:
+    """A post-training main whose objects are freed while Python is fully alive: the job's
+    modules, FSDP state and gloo work objects sit in reference cycles, and left to interpreter
+    shutdown they abort the process (SIGABRT) after a successful run (as train/trainer.run)."""
+
+    @functools.wraps(main)
+    def wrapped(cfg: JobConfig) -> dict:
+        try:
+            return main(cfg)
+        finally:
+            gc.collect()
+
+    return wrapped
 
 
 def selected_domains(spec: str) -> set[str] | None:

@@ -24,7 +24,7 @@ from wanka.post.engine import (
     run_config,
     zero_routing_counts,
 )
-from wanka.post.job import PostJob, setup
+from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, regularisers, run
 from wanka.post.losses import group_advantages, grpo_loss, token_logprobs
 from wanka.post.rewards import Reward, load_reward
@@ -142,6 +142,7 @@ def held_out_reward(job: PostJob, reward: Reward) -> dict[str, float]:
     return {"val_reward": s / n} if n else {}  # no held-out prompts: nothing to report
 
 
+@collected
 def main(cfg: JobConfig) -> dict[str, float]:
     check_rl(cfg)
     job = setup(cfg, "rl")

@@ -15,7 +15,7 @@ from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_common, check_frozen_model
 from wanka.post.distill import Teachers, held_out_loss, parse_teachers
 from wanka.post.engine import Rollout, run_config
-from wanka.post.job import PostJob, setup
+from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import global_max, global_sum, per_domain, regularisers, run
 from wanka.post.losses import token_logprobs
 from wanka.post.prompts import TaggedPrompt, domains
@@ -93,6 +93,7 @@ def make_step(teacher_samples: TeacherSamples | None):
     return step_loss
 
 
+@collected
 def main(cfg: JobConfig) -> dict[str, float]:
     check_sft(cfg)
     job = setup(cfg, "sft")
