@@ -152,9 +152,6 @@ class StoreControl:
                 return
 
     def _poll(self, attempt: int, out, flagged: dict[int, set[int]]) -> bool:
-        from wanka.resilience.monitor import stragglers
-        from wanka.resilience.supervisor import STRAGGLER_STEPS
-
         sup, now = self.sup, time.time()
         reports = {r: rep for r, rep in self.store.read_ranks(self.world).items()
                    if rep.beat.attempt == attempt}  # fmt: skip
@@ -162,12 +159,7 @@ class StoreControl:
         out.max_step = max([out.max_step, *(b.step for b in beats.values())])
         # Chaos signals the ranks by pid: the cluster-in-a-box's nodes share one pid space.
         sup.chaos.poll(beats, now, attempt)
-        for r in stragglers(beats, now):
-            steps = flagged.setdefault(r, set())
-            if len(steps) < STRAGGLER_STEPS:
-                steps.add(beats[r].step)
-                if len(steps) == STRAGGLER_STEPS:
-                    sup._record_slow(r, reports[r].node, beats[r], now)
+        sup.note_stragglers(beats, lambda r: reports[r].node, now, flagged)
         fault = self.coordinator.check(now)
         if fault is None:
             return False

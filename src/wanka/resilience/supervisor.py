@@ -306,6 +306,17 @@ class Supervisor:
             except Exception as e:  # the monitor must outlive any one bad poll
                 log.error("monitor poll failed: %s", e)
 
+    def note_stragglers(self, beats: dict, node_of_rank, now: float,
+                        flagged: dict[int, set[int]]) -> None:  # fmt: skip
+        """One slow batch is noise; slow in STRAGGLER_STEPS different steps is a straggler,
+        recorded once per attempt (the job goes on; the ledger decides about the node)."""
+        for r in stragglers(beats, now):
+            steps = flagged.setdefault(r, set())
+            if len(steps) < STRAGGLER_STEPS:
+                steps.add(beats[r].step)
+                if len(steps) == STRAGGLER_STEPS:
+                    self._record_slow(r, node_of_rank(r), beats[r], now)
+
     def _poll(self, hb_dir: Path, attempt: int, out: Outcome, monitor, flagged: dict) -> bool:
         """One look at the heartbeats; True once a fault was found and the attempt torn down."""
         now = time.time()
@@ -313,14 +324,7 @@ class Supervisor:
         self.timeouts.observe(beats.values())
         out.max_step = max([out.max_step, *(b.step for b in beats.values())])
         self.chaos.poll(beats, now, attempt)
-        for r in stragglers(beats, now):
-            # One slow batch is noise; slow in STRAGGLER_STEPS different steps is a straggler,
-            # recorded once per attempt (the job goes on; the ledger decides about the node).
-            steps = flagged.setdefault(r, set())
-            if len(steps) < STRAGGLER_STEPS:
-                steps.add(beats[r].step)
-                if len(steps) == STRAGGLER_STEPS:
-                    self._record_slow(r, node_of(hb_dir, r), beats[r], now)
+        self.note_stragglers(beats, lambda r: node_of(hb_dir, r), now, flagged)
         dead = [
             b
             for b in beats.values()
