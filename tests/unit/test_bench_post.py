@@ -102,6 +102,9 @@ def test_a_plan_with_nothing_to_run_is_refused_up_front(field):
         check_plan(PostBenchPlan(**{field: 0}))
     with pytest.raises(ValueError, match="single-teachers"):
         check_plan(PostBenchPlan(single_teachers="code,math"))
+    with pytest.raises(ValueError, match="--rl-reward: reward 'python_parse'"):
+        check_plan(PostBenchPlan(rl_reward="python_parse"))
+    check_plan(PostBenchPlan(rl_reward="python_parses"))
 
 
 def test_phases_are_reused_across_bench_directories_but_never_mixed(tmp_path, monkeypatch):

@@ -8,7 +8,13 @@ import time
 
 import pytest
 
-from wanka.post.rewards import MAX_CHARS, load_reward, python_parses, source_compiles
+from wanka.post.rewards import (
+    MAX_CHARS,
+    load_reward,
+    python_lines,
+    python_parses,
+    source_compiles,
+)
 
 PROMPT = "def f(x):\n"
 
@@ -40,6 +46,7 @@ def test_python_parses_known_completions(completion: str, reward: float) -> None
         "    y = 1\n" * 8,  # one real line, repeated
         '    """A docstring\n    spanning lines\n    """\n',  # a string is not code
         "    ...\n    1\n    x\n    'text'\n",  # bare constants and names do nothing
+        "    x,\n    a, b\n    x == 1\n    not y\n",  # expressions with no effect
         "    return x\n    return x  \n",  # same text up to whitespace
     ],
 )
@@ -109,6 +116,108 @@ def test_source_compiles() -> None:
 
 def test_load_builtin_reward() -> None:
     assert load_reward("python_parses") is python_parses
+    assert load_reward("python_lines") is python_lines
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("    y = x + 1\n    return y\n", 1.0),
+        ("    y = x + 1\n    return y\n    z = (x +", 1.0),  # partial last line dropped
+        ("    y = x + 1\n  return y\n", 1.0),  # statements: indentation is not judged
+        ("    y = x + 1\n    return y +\n", 0.5),
+        ("    y = x + 1\n", 0.5),  # one good line earns at most 1 / min_lines
+        ("    y = x + 1\n    foo bar\n    (\n    z = 2\n", 1.5 / 4),  # z = 2 reads nothing: half
+        ("    if x:\n        print(x)\n    else:\n        raise ValueError(x)\n", 3.5 / 4),
+        ("    try:\n        g = open(x)\n    except OSError as e:\n        print(e)\n", 3.5 / 4),
+        ("    @print\n    @len\n    def g(a):\n        return a\n", 3.5 / 4),  # args: the body's
+        ("    if x:\n    if x > 1:\n    class A(Exception):\n", 0.0),  # headers with no body
+        ("    @print\n    x = 1\n", 0.25),  # a decorator of nothing
+        ("    y = z\n    foo()\n", 0.5),  # names that exist nowhere: the syntax half
+        ("    y = (x\n    z = y\n    import os, re as r\n    r.sub(os.sep)\n", 2.5 / 4),
+        (
+            "    for i in x:\n        print(i)\n        y = [j for j in i]\n        f = lambda k: k\n",
+            1.0,
+        ),
+        ("    import os\n    import no_such_module_xyz\n    from . import q\n", 2 / 3),
+        ("    # a comment\n\n\n    y = x\n    z = y\n", 1.0),  # comments/blanks not counted
+        ("    y = 1\x00\n    z = x\n", 0.5),  # null byte: that line fails, not the call
+        ("", 0.0),
+        ("no newline at all", 0.0),
+    ],
+)
+def test_python_lines_known_completions(completion: str, reward: float) -> None:
+    assert python_lines(PROMPT, completion) == pytest.approx(reward)
+
+
+@pytest.mark.parametrize(
+    ("completion", "alone", "with_two_more"),
+    [
+        ("    pass\n" * 8, 0.0, 2 / 10),
+        ("    y = x\n" * 8, 1 / 8, 3 / 10),  # one real line, repeated: credited once
+        ("    ...\n    1\n    x\n    'text'\n    break\n    continue\n", 0.0, 2 / 8),
+        ("    # a\n    # b\n\n", 0.0, 1.0),  # not counted at all
+        ("def f(x):\n", 0.0, 2 / 3),  # copied from the prompt
+        # Dead expressions a policy found first (tuples of names), then comparisons etc.
+        ("    it,\n    san,\n    r, x,\n    a == b\n    -y\n    [q]\n", 0.0, 2 / 8),
+    ],
+)
+def test_python_lines_degenerate_completions_earn_little(
+    completion: str, alone: float, with_two_more: float
+) -> None:
+    assert python_lines(PROMPT, completion) == pytest.approx(alone)
+    # Control: two new statements more earn credit for exactly those two.
+    got = python_lines(PROMPT, completion + "    a = x * 2\n    b = a - 1\n")
+    assert got == pytest.approx(with_two_more)
+
+
+ATTACK_PROMPT = "import os\nimport sys\n\ndef main(argv):\n    path = argv[1]\n"
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        # Copies of a prompt line that differ in text only: spacing, `;`, a comment, a number,
+        # full-width letters (the same identifier to Python).
+        ("path =argv[1]\npath= argv[1]\n", 0.0),
+        ("import os;\nimport sys #\n", 0.0),
+        ("    path = argv[2]\n    path = argv[3]\n", 0.0),
+        ("\uff50\uff41\uff54\uff48 = argv[1]\n", 0.0),
+        ("print(path)\nprint(path)#\nprint(path)  # again\n", 1 / 3),
+        ("print(1)\nprint(2)\n", 1 / 2),
+        # Dead code behind `;` or an inline body, headers with nothing under them.
+        ("path;path\nargv;argv\npass;pass\n", 0.0),
+        ("if path: pass\nelse: path\ntry: path\n", 0.0),
+        ("if path:\nif argv:\nclass A(object):\n", 0.0),
+        ("@print\n@len\n", 0.0),
+        # What is left: the syntax half, never the names half.
+        ("a=a\nb=b\nfor y in y:\n    f = lambda: f\n", 0.5),  # own assignments do not count
+        ("import os as a\nimport sys.path\n", 0.5),  # modules imported again
+    ],
+)
+def test_python_lines_attacks_earn_at_most_the_syntax_half(completion: str, reward: float) -> None:
+    assert python_lines(ATTACK_PROMPT, completion) == pytest.approx(reward)
+
+
+def test_python_lines_never_imports_what_a_completion_names() -> None:
+    python_lines(ATTACK_PROMPT, "import json\n")  # the list of installed modules, built once
+    before = set(sys.modules)
+    got = python_lines(ATTACK_PROMPT, "import distutils\nimport pip\nimport setuptools\n")
+    assert set(sys.modules) == before and got > 0.5  # they exist; nothing was imported
+
+
+def test_python_lines_prompt_ending_mid_line_and_hostile_input() -> None:
+    # The prompt's unfinished last line and the completion's first are one line.
+    assert python_lines("x = (1 +", " 2)\ny = x\n") == 0.75  # the first line reads no name
+    assert python_lines("x = (1 +", "\nprint(x)\n") == 0.5  # nothing added to the prompt's line
+    assert python_lines(ATTACK_PROMPT.rstrip("\n"), "\n") == 0.0
+    assert python_lines("x = (1 +", " 2\ny = x\n") == 0.5
+    hostile = ["    y = " + "(" * 10_000 + "1" + ")" * 10_000 + "\n    z = 2\n",
+               "    y = 1\n" + "    z = 1\n" * 20_000, "\ud800\n\ud800\n", "\f\v\n\n"]  # fmt: skip
+    start = time.perf_counter()
+    assert [python_lines(PROMPT, c) for c in hostile] == [0.25, 0.0, 0.0, 0.0]
+    assert time.perf_counter() - start < 2.0
+    assert python_lines(None, "x\n") == 0.0  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -214,3 +214,61 @@ def test_agent_seen_crash_still_names_the_rank_that_died(tmp_path):
     stale = Outcome("process_crash", exits={0: -15, 1: -9})
     _blame(stale, hb, attempt=3)  # heartbeats of an older attempt say nothing about this one
     assert stale.rank == 1 and stale.detail == "rank 1 died (exit code -9)"
+
+
+@pytest.mark.parametrize(
+    ("codes", "max_step", "cause"),
+    [
+        ([], 5, "success"),
+        ([2, -15], 5, "user_error"),  # torchrun: a rank said why, its peers were ended
+        ([2, 143], 5, "user_error"),  # node agents exit 128 + 15 when ended (store mode)
+        ([2, 1, 143], 5, "user_error"),
+        ([2, 139], 5, "process_crash"),  # SIGSEGV on another node is a crash of its own
+        ([143], 5, "process_crash"),  # ended with nothing that says why
+        ([75, 143], 5, "preempted"),
+        ([1], -1, "startup_failure"),
+        ([-9], 3, "process_crash"),
+    ],
+)
+def test_cause_of_exit_codes_reads_agents_and_torchrun_alike(codes, max_step, cause):
+    from wanka.resilience.supervisor import cause_of_codes
+
+    assert cause_of_codes(codes, max_step) == cause
+
+
+class _Timeline:
+    def event(self, *a, **kw) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("schedule", "nodes", "killed"),
+    [
+        ("node_kill@step=2,node=1", {0: "n0", 1: "n0", 2: "n1", 3: "n1"}, {2, 3}),
+        ("node_kill@step=2", {0: "n1", 1: "n0", 2: "n1", 3: "n0"}, {0, 2}),  # rank 0's node
+        # Store mode: a rank whose node is unknown is never killed (it once meant "all").
+        ("node_kill@step=2,node=0", {0: "n0", 1: None, 2: "n1", 3: "n1"}, {0}),
+        ("node_kill@step=2", {0: None, 1: "n0", 2: "n1", 3: "n1"}, set()),  # waits for rank 0
+    ],
+)
+def test_node_kill_hits_only_the_named_node(tmp_path, schedule, nodes, killed):
+    from wanka.resilience.chaos import ChaosDriver
+
+    procs = {r: subprocess.Popen(["sleep", "30"]) for r in nodes}
+    try:
+        beats = {r: Beat(r, p.pid, 0, 2, "forward", time.time(), time.time(), {})
+                 for r, p in procs.items()}  # fmt: skip
+        driver = ChaosDriver(parse_schedule(schedule), tmp_path, "job", str(tmp_path / "snap"),
+                             _Timeline())  # fmt: skip
+        driver.poll(beats, time.time(), 0, node_of=nodes.get)
+        for p in procs.values():
+            try:
+                p.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        assert {r for r, p in procs.items() if p.poll() is not None} == killed
+        assert bool(driver.fired) == bool(killed)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -9,7 +9,9 @@
    two teachers scoring the corpus continuations: GKD with lambda = 0) and supervised
    fine-tuning on teacher samples (sequence-level distillation), the last run longer so that
    the compute it needs to reach MOPD's loss can be read off.
-4. `wanka rl` from the base with the built-in reward, several seeds.
+4. `wanka rl` from the base with a built-in reward (default the graded `python_lines`),
+   several seeds, each judged on twice the students' held-out prompts (a rate is noisier than
+   a loss).
 
 Every phase is a real CLI run in OUT/<phase>; a finished phase is reused when the bench is
 run again (delete its directory to redo it). The summary reads each run's metrics.jsonl.
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from wanka.post.report import gap_closed
+from wanka.post.rewards import load_reward
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class PostBenchPlan:
     single_teachers: str = "code"  # single-teacher baselines to run ("code,prose": both)
     rl_steps: int = 80
     rl_seeds: int = 3
+    rl_reward: str = "python_lines"  # graded: the tiny base never earns python_parses
     prompts_per_step: int = 8
     eval_every: int = 10
     eval_prompts: int = 32
@@ -65,6 +69,10 @@ def check_plan(plan: PostBenchPlan) -> None:
     for name, value in asdict(plan).items():
         if isinstance(value, int | float) and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')}={value}: must be > 0")
+    try:
+        load_reward(plan.rl_reward)
+    except ValueError as e:
+        raise ValueError(f"--rl-reward: {e}") from None
     bad = {x.strip() for x in plan.single_teachers.split(",") if x.strip()} - {"code", "prose"}
     if bad:
         raise ValueError(f"--single-teachers names {sorted(bad)}: the teachers are code, prose")
@@ -206,6 +214,7 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
             "sft_over_mopd": ratio,
         },  # fmt: skip
         "rl": {
+            "reward": plan.rl_reward,
             "seeds": rl,
             "start": statistics.fmean(v["start"] for v in rl.values()),
             "final_mean": statistics.fmean(finals),
@@ -261,7 +270,8 @@ def run_bench_post(args: argparse.Namespace) -> int:
     run("sft_teacher_samples", "sft", S * plan.sft_factor, post__teachers=both,
         post__sft_source="teachers")  # fmt: skip
     for seed in range(plan.rl_seeds):
-        run(f"rl-seed{seed}", "rl", plan.rl_steps, train__seed=seed,
+        run(f"rl-seed{seed}", "rl", plan.rl_steps, train__seed=seed, post__reward=plan.rl_reward,
+            post__eval_prompts=2 * plan.eval_prompts,
             post__prompts_per_step=max(1, plan.prompts_per_step // 2), post__samples_per_prompt=4)  # fmt: skip
     result = {"plan": asdict(plan), "wall_s": time.perf_counter() - t0, **summarize(out, plan)}
     (out / "post.json").write_text(json.dumps(result, indent=1))
@@ -293,7 +303,7 @@ def table(result: dict) -> list[str]:
                  + ", ".join(f"{k} {'not reached' if v is None else f'{v:.0f}'}" for k, v in c["tokens"].items())
                  + (f"; SFT / MOPD = {c['sft_over_mopd']:.2f}x" if c["sft_over_mopd"] else ""))  # fmt: skip
     rl = result["rl"]
-    lines.append(f"rl held-out reward: start {rl['start']:.3f}, final {rl['final_mean']:.3f} "
+    lines.append(f"rl held-out reward ({rl.get('reward', 'python_parses')}): start {rl['start']:.3f}, final {rl['final_mean']:.3f} "
                  f"+- {rl['final_std']:.3f} over {len(rl['seeds'])} seeds ("
                  + ", ".join(f"{v['final']:.3f}" for v in rl["seeds"].values()) + ")")  # fmt: skip
     return lines

@@ -30,6 +30,7 @@ from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
 from wanka.post.prompts import DOMAINS, TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
+from wanka.post.rewards import PYTHON_REWARDS
 from wanka.resilience.snapshot import apply, layout_signature
 from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
@@ -189,12 +190,13 @@ def _prompts(cfg: JobConfig, dp: int, command: str
         if unknown:
             raise ValueError(f"post.domains names {unknown}, but the built-in prompts have the "
                              f"domains {list(DOMAINS)}")  # fmt: skip
-        # The built-in reward judges Python: rl with it has nothing to earn on prose.
-        only = ("code",) if command == "rl" and p.reward == "python_parses" else DOMAINS
+        # The built-in rewards judge Python: rl with them has nothing to earn on prose.
+        python = command == "rl" and p.reward in PYTHON_REWARDS
+        only = ("code",) if python else DOMAINS
         only = tuple(d for d in only if wanted is None or d in wanted)
         if not only:
             raise ValueError(f"post.domains={p.domains!r} leaves no built-in prompts for "
-                             f"`wanka {command}` (with reward python_parses: code only)")  # fmt: skip
+                             f"`wanka {command}`" + (f" (reward {p.reward}: code only)" if python else ""))  # fmt: skip
         need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / len(only))
         n = min(max(need, 1), 2000)  # more cycle: each pass is shuffled anew
         cont = 4 * p.completion_tokens  # enough reference text for off-policy rows

@@ -27,7 +27,7 @@ from wanka.post.engine import (
 from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, regularisers, run
 from wanka.post.losses import group_advantages, grpo_loss, token_logprobs
-from wanka.post.rewards import Reward, load_reward
+from wanka.post.rewards import PYTHON_REWARDS, Reward, load_reward
 from wanka.post.rollout import assemble, row_length
 
 
@@ -38,7 +38,7 @@ def check_rl(cfg: JobConfig) -> None:
                          "`wanka train` run) to start from")  # fmt: skip
     run_config(p.init, "post.init")
     check_common(cfg, samples_from_policy=True)
-    if p.prompts == "builtin" and p.reward == "python_parses" and p.domains.strip():
+    if p.prompts == "builtin" and p.reward in PYTHON_REWARDS and p.domains.strip():
         if "code" not in {x.strip() for x in p.domains.split(",")}:
             raise ValueError(f"post.domains={p.domains!r}: the built-in reward judges Python, "
                              "so wanka rl uses the code prompts: add code or use post.reward="

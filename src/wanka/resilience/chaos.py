@@ -27,6 +27,7 @@ their own: `small_filesystem()` mounts a size-limited tmpfs there (root on Linux
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import signal
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +181,16 @@ class ChaosDriver:
     def fault_time(self, rank: int | None) -> float | None:
         return self.fired_rank.get(rank) if rank is not None else None
 
-    def poll(self, beats: dict[int, Beat], now: float, attempt: int) -> None:
+    def poll(self, beats: dict[int, Beat], now: float, attempt: int,
+             node_of: Callable[[int], str | None] | None = None) -> None:  # fmt: skip
+        """Fire what is due. `node_of(rank)` names a rank's node (by default its heartbeat's
+        .node file, which store mode keeps node-private: it passes the agents' reports)."""
+        if node_of is None:
+            from wanka.resilience.heartbeat import node_of as from_file
+
+            hb = self.run_dir / "resilience" / "hb"
+            node_of = functools.partial(from_file, hb)
+        self._node_of = node_of
         self._release_due(beats, now)
         if not beats:
             return
@@ -212,13 +222,13 @@ class ChaosDriver:
             os.kill(b.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
             self.fired_rank[f.rank] = time.time()
         elif f.kind == "node_kill":
-            from wanka.resilience.heartbeat import node_of
             from wanka.resilience.snapshot import drop_node
 
-            hb = self.run_dir / "resilience" / "hb"
-            node = f"n{f.params['node']}" if "node" in f.params else node_of(hb, 0)
+            node = f"n{f.params['node']}" if "node" in f.params else self._node_of(0)
+            if node is None:
+                return False  # rank 0 has not said where it runs yet: try at the next poll
             for b in beats.values():
-                if node_of(hb, b.rank) not in (node, None):
+                if self._node_of(b.rank) != node:  # a rank of unknown node is not killed
                     continue
                 try:
                     os.kill(b.pid, signal.SIGKILL)

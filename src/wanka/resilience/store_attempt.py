@@ -158,7 +158,7 @@ class StoreControl:
         beats = {r: rep.beat for r, rep in reports.items()}
         out.max_step = max([out.max_step, *(b.step for b in beats.values())])
         # Chaos signals the ranks by pid: the cluster-in-a-box's nodes share one pid space.
-        sup.chaos.poll(beats, now, attempt)
+        sup.chaos.poll(beats, now, attempt, node_of=lambda r: getattr(reports.get(r), "node", None))
         sup.note_stragglers(beats, lambda r: reports[r].node, now, flagged)
         fault = self.coordinator.check(now)
         if fault is None:

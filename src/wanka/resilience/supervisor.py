@@ -60,7 +60,7 @@ class Outcome:
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
     """The agent saw a rank die before the monitor did: name the rank that died first (the
     agent ends its peers with SIGTERM, -15) and where it was, from its heartbeat."""
-    culprits = sorted(r for r, c in out.exits.items() if c not in (-15, 0))
+    culprits = sorted(r for r, c in out.exits.items() if c not in (*STOPPED, 0))
     if not culprits:
         return
     out.rank = culprits[0]
@@ -69,6 +69,22 @@ def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
         out.detail = f"rank {out.rank} died in {beat.phase} of step {beat.step + 1}"
     else:
         out.detail = f"rank {out.rank} died (exit code {out.exits[out.rank]})"
+
+
+# How a process that was ended with SIGTERM (a peer failed, or a stop) exits: torchrun reports
+# its ranks as -15, a node agent (control/agent.py) exits 128 + 15 like a shell.
+STOPPED = (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+def cause_of_codes(codes: list[int], max_step: int) -> str:
+    """The cause an attempt's non-zero exit codes (per node, or per rank) name on their own."""
+    if not codes:
+        return "success"
+    if EXIT_PREEMPTED in codes:
+        return "preempted"
+    if EXIT_USER_ERROR in codes and all(c in (EXIT_USER_ERROR, 1, *STOPPED) for c in codes):
+        return "user_error"  # the others were ended because of it
+    return "startup_failure" if max_step < 0 else "process_crash"
 
 
 def resilience_dir(run_dir: Path) -> Path:
@@ -281,16 +297,8 @@ class Supervisor:
             return
         if out.cause == "process_crash":  # seen by the monitor; codes confirm
             return
-        if not out.codes:
-            out.cause = "success"
-        elif EXIT_PREEMPTED in out.codes:
-            out.cause = "preempted"
-        elif EXIT_USER_ERROR in out.codes and all(
-            c in (EXIT_USER_ERROR, 1, -15) for c in out.codes
-        ):
-            out.cause = "user_error"
-        else:
-            out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
+        out.cause = cause_of_codes(out.codes, out.max_step)
+        if out.cause in ("startup_failure", "process_crash"):
             out.detail = out.detail or f"exit codes {sorted(set(out.codes))}"
         if out.t_detect is None and out.cause not in ("success", "user_error", "preempted"):
             out.t_detect = time.time()
