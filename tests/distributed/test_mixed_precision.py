@@ -48,7 +48,8 @@ def test_bf16_policy_step_is_close_to_fp32(tmp_path, world):
         assert any(not torch.equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# One rank in `make test-slow` only (CI time budget): two ranks also cover the bf16 reduce.
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_bf16_training_tracks_fp32(job_args, tmp_path, world):
     """Whole jobs: per-step losses of train.mixed_precision=bf16 stay close to fp32's and fall."""
     common = [f"train.micro_batch_size={4 // world}", f"parallel.ep={world}", "train.steps=6",

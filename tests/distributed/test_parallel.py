@@ -56,7 +56,11 @@ def test_save_on_two_ranks_load_on_one(job_args, tmp_path):
     _close({k: two[k] for k in (3, 4)}, one)
 
 
-@pytest.mark.parametrize("world, async_save", [(1, False), (2, True)])
+# The synchronous save on one rank is also what the integration and HSDP resume tests use:
+# here in `make test-slow` only (CI time budget).
+@pytest.mark.parametrize(
+    "world, async_save", [pytest.param(1, False, marks=pytest.mark.slow), (2, True)]
+)
 def test_resume_is_exact(job_args, tmp_path, world, async_save):
     """Stop at step 2, resume: per-step losses equal an uninterrupted run, bitwise on CPU."""
     mb = f"train.micro_batch_size={4 // world}"

@@ -71,6 +71,12 @@ def test_two_ranks_distill_exactly_as_one(runs):
     assert abs(one[0]["divergence/prose"]) < 1e-5 < one[0]["divergence/code"]
     ev2, ev1 = _rows(runs / "dp2", "eval"), _rows(runs / "dp1", "eval")
     assert ev2[-1]["val_loss/code"] == pytest.approx(ev1[-1]["val_loss/code"], rel=1e-5)
+    # Held-out reverse KL on the student's own samples (each rank samples with its own seed,
+    # so only its structure is compared across world sizes): zero against itself as teacher.
+    for ev in (ev1, ev2):
+        assert ev[0]["step"] == 0
+        assert abs(ev[0]["val_reverse_kl/prose"]) < 1e-5 < ev[0]["val_reverse_kl/code"]
+        assert ev[-1]["val_reverse_kl/prose"] >= 0 and ev[-1]["val_reverse_kl/code"] > 0
 
 
 def test_on_policy_distillation_and_rl_run_on_two_ranks_and_resume(runs):

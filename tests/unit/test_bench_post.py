@@ -18,8 +18,10 @@ def _write(run: Path, rows: list[dict]) -> None:
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def _student(run: Path, losses: list[tuple[float, float]], per_step: float, every: int = 10):
-    """Evals every `every` steps with (code, prose) losses; each step processes per_step."""
+def _student(run: Path, losses: list[tuple[float, float]], per_step: float, every: int = 10,
+             rkl: list[tuple[float, float]] | None = None):  # fmt: skip
+    """Evals every `every` steps with (code, prose) losses (and held-out reverse KLs);
+    each step processes per_step."""
     rows = []
     for i, (code, prose) in enumerate(losses):
         step = i * every
@@ -27,13 +29,16 @@ def _student(run: Path, losses: list[tuple[float, float]], per_step: float, ever
             rows += [{"kind": "train", "step": s, "tokens_processed": per_step}
                      for s in range(step - every + 1, step + 1)]  # fmt: skip
         rows.append({"kind": "eval", "step": step, "val_loss/code": code, "val_loss/prose": prose})
+        if rkl:
+            rows[-1].update({"val_reverse_kl/code": rkl[i][0], "val_reverse_kl/prose": rkl[i][1]})
     _write(run, rows)
 
 
 @pytest.fixture
 def bench(tmp_path: Path) -> Path:
     start = (3.0, 4.0)
-    _student(tmp_path / "mopd", [start, (2.5, 3.5), (2.2, 3.1)], per_step=100)
+    _student(tmp_path / "mopd", [start, (2.5, 3.5), (2.2, 3.1)], per_step=100,
+             rkl=[(0.5, 0.6), (0.3, 0.4), (0.2, 0.1)])  # fmt: skip
     rows = (tmp_path / "mopd" / "metrics.jsonl").read_text()
     teacher_eval = [{"kind": "teacher_eval", "step": 0, "teacher": "code", "val_loss/code": 2.0,
                      "val_loss/prose": 3.9},
@@ -78,7 +83,15 @@ def test_summary_reads_equal_compute_gap_and_compute_to_target(bench):
         0.6
     )
     assert s["rl"]["final_std"] == pytest.approx(0.1)
+    assert mopd["reverse_kl"] == pytest.approx(
+        {"code": 0.2, "prose": 0.1}
+    )  # equal compute: its end
+    assert "reverse_kl" not in sft  # SFT logs no teacher divergence
     text = "\n".join(table(s))
+    assert (
+        "mopd: held-out KL(student || teacher) on its own samples: code 0.2000, prose 0.1000"
+        in text
+    )
     assert "| mopd | 2000 | 2.2000 | 80.0% | 3.1000 | 90.0% | 20 |" in text and "1.80x" in text
 
 

@@ -22,13 +22,15 @@ def _distill_run(run: Path, teacher_code: float = 2.0, teacher_prose: float = 2.
     # The code teacher is the better one on code, the prose teacher on prose.
     w.log_event("teacher_eval", 0, teacher="code", **{"val_loss/code": teacher_code, "val_loss/prose": 3.5})  # fmt: skip
     w.log_event("teacher_eval", 0, teacher="prose", **{"val_loss/code": 3.2, "val_loss/prose": teacher_prose})  # fmt: skip
-    w.log_eval(0, {"val_loss/code": 3.0, "val_loss/prose": 3.0})
+    w.log_eval(0, {"val_loss/code": 3.0, "val_loss/prose": 3.0,
+                   "val_reverse_kl/code": 0.8, "val_reverse_kl/prose": 0.6})  # fmt: skip
     for s in range(1, 5):
         w.log_train(s, {"loss": 0.5 / s, "divergence/code": 0.6 / s, "divergence/prose": 0.4 / s,
                         "on_policy": 1.0, "tokens_processed": 800.0 * s, "completion_tokens": 32.0,
                         "grad_norm": 0.1 * s, "lr": 1e-4, "step_time": 0.5})  # fmt: skip
         if s % 2 == 0:
-            w.log_eval(s, {"val_loss/code": 3.0 - 0.25 * s, "val_loss/prose": 3.0 - 0.05 * s})
+            w.log_eval(s, {"val_loss/code": 3.0 - 0.25 * s, "val_loss/prose": 3.0 - 0.05 * s,
+                           "val_reverse_kl/code": 0.8 / s, "val_reverse_kl/prose": 0.6 / s})  # fmt: skip
     w.close()
 
 
@@ -70,6 +72,8 @@ def test_distill_summary_and_png(tmp_path: Path) -> None:
     assert lines == [
         "val_loss/code  : start 3.0000 (step 0), last 2.0000 (step 4), best teacher code 2.0000, gap closed 100.0%",
         "val_loss/prose : start 3.0000 (step 0), last 2.8000 (step 4), best teacher prose 2.5000, gap closed 40.0%",
+        "val_reverse_kl/code: start 0.8000 (step 0), last 0.2000 (step 4)",
+        "val_reverse_kl/prose: start 0.6000 (step 0), last 0.1500 (step 4)",
     ]  # fmt: skip
 
     png = plot_post_curves(run)

@@ -192,6 +192,13 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
         }  # fmt: skip
         v = runs[name]["val_loss"]
         runs[name]["gap_closed"] = {d: gap_closed(start[d], v[d], best[d]) for d in domains}
+        # Distillation runs also log KL(student || teacher) on the student's own held-out
+        # samples (what on-policy distillation minimises): at equal compute too.
+        rkl = curve(out / name, "val_reverse_kl/")
+        if rkl and all(d in rkl[0] for d in domains):
+            runs[name]["reverse_kl"] = at_tokens(rkl, equal_tokens, domains) or {
+                d: rkl[-1][d] for d in domains
+            }  # fmt: skip
     target = statistics.fmean(runs["mopd"]["val_loss"][d] for d in domains)
     reach = {name: tokens_to_reach(points, domains, target) for name, points in students.items()}
     ratio = None
@@ -298,6 +305,10 @@ def table(result: dict) -> list[str]:
         short = "" if r["reached_equal_compute"] else " (stopped short)"
         lines.append(f"| {name} | {r['tokens_processed']:.0f}{short} | " + " | ".join(cells)
                      + f" | {r['final']['step']} |")  # fmt: skip
+    for name, r in result["runs"].items():
+        if "reverse_kl" in r:
+            lines.append(f"{name}: held-out KL(student || teacher) on its own samples: "
+                         + ", ".join(f"{d} {r['reverse_kl'][d]:.4f}" for d in domains))  # fmt: skip
     c = result["compute_to_mopd_loss"]
     lines.append(f"compute to reach mean held-out loss {c['target_mean_val_loss']:.4f}: "
                  + ", ".join(f"{k} {'not reached' if v is None else f'{v:.0f}'}" for k, v in c["tokens"].items())

@@ -53,6 +53,33 @@ class _Transactional:
     def rollback(self) -> None:
         self.staged = None
 
+    def state_dict(self) -> dict:
+        """The kept error feedback (a staged step's is not kept yet), rank-local."""
+        return {"state": {k: v.detach().clone() for k, v in self.state.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = {k: v.clone() for k, v in sd["state"].items()}
+        self.staged = None
+
+
+def reducer_states(model: nn.Module) -> list[dict]:
+    """Every gradient reducer's error feedback on this rank, in module order ([] without
+    compression): checkpoints and snapshots keep it, so a resumed compressed run continues
+    bitwise where it stopped instead of restarting the residuals at zero."""
+    return [r.state_dict() for r in getattr(model, "grad_reducers", ())]
+
+
+def load_reducer_states(model: nn.Module, states: list[dict]) -> bool:
+    """Restore what reducer_states saved; False (nothing changed) when the reducers differ."""
+    reducers = list(getattr(model, "grad_reducers", ()))
+    if len(states) != len(reducers) or any(
+        type(r).__name__ != s.get("kind", type(r).__name__) for r, s in zip(reducers, states)
+    ):
+        return False
+    for r, s in zip(reducers, states):
+        r.load_state_dict(s)
+    return True
+
 
 def _finite_or_zero(new: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     # Branch-free (no host sync): a NaN/inf gradient must not poison later steps.
@@ -72,6 +99,12 @@ class Bf16Reducer:
         pass
 
     def rollback(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"kind": type(self).__name__}
+
+    def load_state_dict(self, sd: dict) -> None:
         pass
 
 
@@ -139,6 +172,9 @@ class Int8Reducer(_Transactional):
         self.group, self.block = group, block
         self.n = dist.get_world_size(group)
         self.index = _AlignedIndex([s.numel() for s in layout or []], block)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "kind": type(self).__name__}
 
     def __call__(self, flat: torch.Tensor) -> None:
         self.commit()  # the previous step's, if nobody did
@@ -225,6 +261,13 @@ class PowerSGDReducer(_Transactional):
         if self.staged is not None:
             self.kept += 1
         super().commit()
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "kind": type(self).__name__, "kept": self.kept}
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        self.kept = int(sd["kept"])
 
     def __call__(self, flat: torch.Tensor) -> None:
         self.commit()

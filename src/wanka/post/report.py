@@ -10,6 +10,7 @@ from wanka.report import _empty, _series, load_metrics
 
 DIVERGENCE = "divergence/"
 VAL_LOSS = "val_loss/"
+VAL_RKL = "val_reverse_kl/"
 TEACHER_EVAL = "teacher_eval"
 _RL_TRAIN_KEYS = ("reward", "groups_with_a_reward", "kl_mean", "clip_fraction")
 
@@ -79,6 +80,10 @@ def summarize_post(train: list[dict], evals: list[dict], events: list[dict]) -> 
             else:
                 text += ", no teacher_eval: gap n/a"
             lines.append(text)
+        for d in _keys(evals, VAL_RKL):
+            xs, ys = _series(evals, VAL_RKL + d)
+            if ys:
+                lines.append(f"{VAL_RKL + d:<15}: start {ys[0]:.4f} (step {xs[0]}), last {ys[-1]:.4f} (step {xs[-1]})")  # fmt: skip
     elif kind == "rl":
         xs, ys = _series(evals, "val_reward")
         if ys:
@@ -118,6 +123,9 @@ def _distill_panels(axes, train: list[dict], evals: list[dict], events: list[dic
     # Panel 1: what the step minimised, per domain, and its token mean.
     drawn = [_line(ax_div, train, DIVERGENCE + d, color=color[d], label=f"divergence/{d}") for d in domains]  # fmt: skip
     drawn.append(_line(ax_div, train, "loss", color="black", linewidth=1.6, label="loss (mean)"))
+    # The same divergence on held-out prompts (the student's own samples), at each eval.
+    drawn += [_line(ax_div, evals, VAL_RKL + d, color=color[d], linestyle="--", marker="o",
+                    markersize=4, label=f"held-out {d}") for d in domains]  # fmt: skip
     if any(drawn):
         ax_div.legend(loc="best", fontsize="small")
     else:

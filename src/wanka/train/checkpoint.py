@@ -39,9 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from wanka.distributed.compression import load_reducer_states, reducer_states
+
 MARKER = "COMPLETE"
 CORRUPT = "CORRUPT"
 PARTIAL = ".partial-"
+RANK_LOCAL = "rank-local-"  # + RANK.pt: state only that rank holds (error feedback)
 # Set to "fatal" (the drills' torchrun baseline does) and every failed save ends the job, as
 # in a plain training script.
 FAILURES_ENV = "WANKA_CHECKPOINT_FAILURES"
@@ -240,6 +243,11 @@ class Checkpointer:
             dist.barrier()
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
+        _, problem = self._attempt(self._save_rank_local, partial)
+        problem = self._agree(problem)
+        if problem is not None:
+            self._failed(step, partial, problem, t0, must_succeed)
+            return None
         if self.async_save:
             fut, problem = self._attempt(dcp.async_save, state, checkpoint_id=str(partial),
                                          process_group=self._async_group)  # fmt: skip
@@ -254,6 +262,36 @@ class Checkpointer:
             self._failed(step, partial, problem, t0, must_succeed)
             return None
         return path
+
+    def _save_rank_local(self, partial: Path) -> None:
+        """What each rank alone holds and DCP would save once for all (it treats plain tensors
+        as replicated): the gradient compressors' error feedback, one small file per rank,
+        covered by the manifest like DCP's files."""
+        states = reducer_states(self.model)
+        if not any(s.get("state") for s in states):
+            return
+        partial.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        torch.save({"world": world, "reducers": states}, partial / f"{RANK_LOCAL}{rank}.pt")
+
+    def _load_rank_local(self, path: Path) -> None:
+        if not any("state" in s for s in reducer_states(self.model)):
+            return  # no compression, or a stateless one (bf16)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        f = path / f"{RANK_LOCAL}{rank}.pt"
+        saved = torch.load(f, weights_only=True) if f.is_file() else None
+        if (
+            saved is None
+            or saved["world"] != world
+            or not load_reducer_states(self.model, saved["reducers"])
+        ):
+            # A checkpoint of an uncompressed run, another world size or method: the residuals
+            # start at zero (what every run did before they were saved).
+            if rank == 0:
+                log.warning("checkpoint %s: no gradient-compression state for this layout; "
+                            "error feedback starts at zero", path.name)  # fmt: skip
 
     def wait(self) -> None:
         """Finish an async save; its failure raises only if that save had to succeed."""
@@ -445,6 +483,7 @@ class Checkpointer:
         else:
             set_model_state_dict(self.model, state["model"])
         torch.set_rng_state(state["train"]["rng"])
+        self._load_rank_local(path)
         return state["train"]
 
 

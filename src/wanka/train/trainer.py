@@ -29,6 +29,7 @@ from wanka.device import (
     peak_memory_bytes,
     resolve_device_type,
 )
+from wanka.distributed.compression import load_reducer_states, reducer_states
 from wanka.distributed.context_parallel import CPLayout, CPSharder
 from wanka.distributed.cp_cost import CostModel, load_cost
 from wanka.distributed.parallel_dims import ParallelDims
@@ -500,7 +501,8 @@ def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
 def _snapshot_state(job: Job) -> dict:
     from wanka.resilience.snapshot import capture
 
-    extra = {"loader": job.loader.state_dict(), "guard": job.runtime.guard.state_dict()}
+    extra = {"loader": job.loader.state_dict(), "guard": job.runtime.guard.state_dict(),
+             "comm": reducer_states(job.model)}  # fmt: skip
     return capture(job.model, job.optimizer, extra)
 
 
@@ -545,6 +547,7 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             extra = apply(state, job.model, job.optimizer)
             job.loader.load_state_dict(extra["loader"])
             job.runtime.guard.load_state_dict(extra["guard"])
+            load_reducer_states(job.model, extra.get("comm", []))  # same layout: always fits
             apply_hyperparameters(job.optimizer, job.cfg.train)
             info.update(source="memory", step=step)
             ckpt.say_none_usable(f"resuming from the in-memory snapshot of step {step}")
