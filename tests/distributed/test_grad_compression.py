@@ -16,7 +16,9 @@ from wanka.distributed.compression import (
     Int8Reducer,
     PowerSGDReducer,
     dequantize_int8,
+    load_reducer_states,
     quantize_int8,
+    reducer_states,
 )
 
 LAYOUT = [torch.Size([48, 40]), torch.Size([40]), torch.Size([3, 16, 8])]
@@ -230,13 +232,38 @@ def test_saved_error_feedback_resumes_bitwise(tmp_path, method):
 
 
 def test_reducer_states_refuse_another_layout():
-    from torch import nn
-
-    from wanka.distributed.compression import load_reducer_states, reducer_states
-
-    model = nn.Linear(2, 2)
+    model = torch.nn.Linear(2, 2)
     assert reducer_states(model) == [] and load_reducer_states(model, [])
     model.grad_reducers = [Bf16Reducer(None)]
-    assert not load_reducer_states(model, [{"kind": "Int8Reducer", "state": {}}])
+    assert not load_reducer_states(model, [{"kind": "Int8Reducer", "layout": [], "state": {}}])
     assert not load_reducer_states(model, [])  # another number of reducers
     assert load_reducer_states(model, reducer_states(model))
+
+
+def _relayout(out: str) -> None:
+    dist.init_process_group("gloo")
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        a = PowerSGDReducer(group, LAYOUT, rank=2)
+        for t in range(2):
+            flat = _grad(dist.get_rank(), t)
+            a(flat)
+            a.commit()
+        sd = a.state_dict()
+        assert sd["kept"] == 2 and sd["state"]
+        model = torch.nn.Linear(2, 2)
+        model.grad_reducers = [PowerSGDReducer(group, LAYOUT, rank=4)]  # another rank
+        fits_other_rank = load_reducer_states(model, [sd])
+        model.grad_reducers = [Int8Reducer(group, 32, LAYOUT)]  # another method
+        fits_other_method = load_reducer_states(model, [sd])
+        model.grad_reducers = [PowerSGDReducer(group, LAYOUT, rank=2)]
+        fits = load_reducer_states(model, [sd])
+        kept = model.grad_reducers[0].kept
+        torch.save([fits_other_rank, fits_other_method, fits, kept], Path(out) / "r.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_state_of_another_rank_or_method_does_not_load(tmp_path):
+    spawn(1, _relayout, str(tmp_path))
+    assert torch.load(tmp_path / "r.pt") == [False, False, True, 2]

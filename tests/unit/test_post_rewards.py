@@ -218,6 +218,9 @@ def test_python_lines_prompt_ending_mid_line_and_hostile_input() -> None:
     assert [python_lines(PROMPT, c) for c in hostile] == [0.25, 0.0, 0.0, 0.0]
     assert time.perf_counter() - start < 2.0
     assert python_lines(None, "x\n") == 0.0  # type: ignore[arg-type]
+    # Parses, but thousands of nested operators overflow ast.dump's recursion: 0, no raise.
+    deep = "x = " + "-" * 2000 + "1\n"
+    assert python_lines(PROMPT, deep + "y = x\n") == 0.0 and python_lines(deep, "y = x\n") == 0.0
 
 
 @pytest.fixture

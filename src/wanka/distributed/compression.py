@@ -53,13 +53,28 @@ class _Transactional:
     def rollback(self) -> None:
         self.staged = None
 
+    def layout(self) -> list:
+        """What the state's shapes depend on: a saved state fits only an equal layout."""
+        return []
+
     def state_dict(self) -> dict:
         """The kept error feedback (a staged step's is not kept yet), rank-local."""
-        return {"state": {k: v.detach().clone() for k, v in self.state.items()}}
+        return {"kind": type(self).__name__, "layout": self.layout(),
+                "state": {k: v.detach().clone() for k, v in self.state.items()}}  # fmt: skip
 
     def load_state_dict(self, sd: dict) -> None:
+        # Restored on the CPU (snapshots, torch.load): moved to the gradients' device at the
+        # next call (_on).
         self.state = {k: v.clone() for k, v in sd["state"].items()}
         self.staged = None
+
+    def reset(self) -> None:
+        self.state, self.staged = {}, None
+
+    def _on(self, device: torch.device) -> None:
+        for k, v in self.state.items():
+            if v.device != device:
+                self.state[k] = v.to(device)
 
 
 def reducer_states(model: nn.Module) -> list[dict]:
@@ -73,12 +88,19 @@ def load_reducer_states(model: nn.Module, states: list[dict]) -> bool:
     """Restore what reducer_states saved; False (nothing changed) when the reducers differ."""
     reducers = list(getattr(model, "grad_reducers", ()))
     if len(states) != len(reducers) or any(
-        type(r).__name__ != s.get("kind", type(r).__name__) for r, s in zip(reducers, states)
+        s.get("kind") != type(r).__name__ or s.get("layout") != r.layout()
+        for r, s in zip(reducers, states)
     ):
         return False
     for r, s in zip(reducers, states):
         r.load_state_dict(s)
     return True
+
+
+def reset_reducer_states(model: nn.Module) -> None:
+    """Every reducer as freshly built: no residuals, PowerSGD's exact warm-up from its start."""
+    for r in getattr(model, "grad_reducers", ()):
+        r.reset()
 
 
 def _finite_or_zero(new: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
@@ -101,10 +123,16 @@ class Bf16Reducer:
     def rollback(self) -> None:
         pass
 
+    def layout(self) -> list:
+        return []
+
     def state_dict(self) -> dict:
-        return {"kind": type(self).__name__}
+        return {"kind": type(self).__name__, "layout": []}
 
     def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def reset(self) -> None:
         pass
 
 
@@ -171,13 +199,15 @@ class Int8Reducer(_Transactional):
         super().__init__()
         self.group, self.block = group, block
         self.n = dist.get_world_size(group)
-        self.index = _AlignedIndex([s.numel() for s in layout or []], block)
+        self.sizes = [s.numel() for s in layout or []]
+        self.index = _AlignedIndex(self.sizes, block)
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "kind": type(self).__name__}
+    def layout(self) -> list:
+        return [self.block, self.n, *self.sizes]
 
     def __call__(self, flat: torch.Tensor) -> None:
         self.commit()  # the previous step's, if nobody did
+        self._on(flat.device)
         n, block, numel = self.n, self.block, flat.numel()
         where, padded = self.index(numel, flat.device)
         chunk = -(-padded // (n * block)) * block  # each rank owns one chunk of whole blocks
@@ -229,7 +259,7 @@ class PowerSGDReducer(_Transactional):
     def __init__(self, group, layout: list[torch.Size], rank: int = 4, seed: int = 0,
                  start: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.group, self.rank, self.layout, self.seed = group, rank, layout, seed
+        self.group, self.rank, self.shapes, self.seed = group, rank, layout, seed
         self.start, self.kept = start, 0  # exact all-reduces before the first compressed one
         self.numel = sum(s.numel() for s in layout)
         self.mats, self.dense = self._plan()
@@ -238,7 +268,7 @@ class PowerSGDReducer(_Transactional):
         """(index, offset, batch, rows, cols) of the pieces worth compressing, and (offset,
         size) runs of the rest, sent uncompressed."""
         mats, dense, off = [], [], 0
-        for i, shape in enumerate(self.layout):
+        for i, shape in enumerate(self.shapes):
             size = shape.numel()
             batch = shape[0] if len(shape) == 3 else 1
             rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (0, 0)
@@ -262,15 +292,23 @@ class PowerSGDReducer(_Transactional):
             self.kept += 1
         super().commit()
 
+    def layout(self) -> list:
+        return [self.rank, dist.get_world_size(self.group), *(list(s) for s in self.shapes)]
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "kind": type(self).__name__, "kept": self.kept}
+        return {**super().state_dict(), "kept": self.kept}
 
     def load_state_dict(self, sd: dict) -> None:
         super().load_state_dict(sd)
         self.kept = int(sd["kept"])
 
+    def reset(self) -> None:
+        super().reset()
+        self.kept = 0
+
     def __call__(self, flat: torch.Tensor) -> None:
         self.commit()
+        self._on(flat.device)
         numel = flat.numel()
         if numel != self.numel or self.kept < self.start:
             # Not this module's layout (nothing safe to factor), or still in the first steps,

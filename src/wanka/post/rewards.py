@@ -275,6 +275,13 @@ def python_lines(prompt: str, completion: str, domain: str = "code", min_lines: 
     """
     if not isinstance(prompt, str) or not isinstance(completion, str):
         return 0.0
+    try:
+        return _python_lines(prompt, completion, min_lines)
+    except (RecursionError, MemoryError):  # e.g. ast.dump of thousands of nested operators
+        return 0.0
+
+
+def _python_lines(prompt: str, completion: str, min_lines: int) -> float:
     prompt, completion = _normalise_newlines(prompt), _normalise_newlines(completion)
     kept = completion[: completion.rfind("\n") + 1]
     if len(prompt) + len(kept) > MAX_CHARS:

@@ -42,16 +42,17 @@ class Reporter:
 
     def __init__(self, hb_dir: Path, rank: int, attempt: int) -> None:
         hb_dir.mkdir(parents=True, exist_ok=True)
+        # Which node this rank runs on (ranks are assigned at rendezvous, not by node order);
+        # written before the heartbeat, so a rank that is seen is never of unknown node.
+        (hb_dir / f"rank{rank}.node").write_text(
+            os.environ.get("WANKA_NODE") or os.uname().nodename
+        )
         self.path = hb_dir / f"rank{rank}.hb"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self.attempt, self.step = attempt, -1
         self.phase, self.since = "init", time.time()
         self.max_seconds = [0.0] * len(PHASES)
         self._write()
-        # Which node this rank runs on (ranks are assigned at rendezvous, not by node order).
-        (hb_dir / f"rank{rank}.node").write_text(
-            os.environ.get("WANKA_NODE") or os.uname().nodename
-        )
 
     def enter(self, phase: str, step: int | None = None) -> None:
         if phase == self.phase and step in (None, self.step):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +41,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from wanka.distributed.compression import load_reducer_states, reducer_states
+from wanka.distributed.compression import (
+    load_reducer_states,
+    reducer_states,
+    reset_reducer_states,
+)
 
 MARKER = "COMPLETE"
 CORRUPT = "CORRUPT"
@@ -265,33 +271,45 @@ class Checkpointer:
 
     def _save_rank_local(self, partial: Path) -> None:
         """What each rank alone holds and DCP would save once for all (it treats plain tensors
-        as replicated): the gradient compressors' error feedback, one small file per rank,
-        covered by the manifest like DCP's files."""
+        as replicated): the gradient compressors' error feedback (and PowerSGD's step count),
+        one small file per rank, covered by the manifest like DCP's files."""
         states = reducer_states(self.model)
-        if not any(s.get("state") for s in states):
+        if not any(s.get("state") or s.get("kept") for s in states):
             return
         partial.mkdir(parents=True, exist_ok=True)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        torch.save({"world": world, "reducers": states}, partial / f"{RANK_LOCAL}{rank}.pt")
+        buf = io.BytesIO()
+        torch.save({"world": world, "reducers": states}, buf)
+        # Written as bytes: a full disk is then an OSError (ENOSPC) that write_failure knows,
+        # not torch.save's RuntimeError on one rank while the others wait.
+        with open(partial / f"{RANK_LOCAL}{rank}.pt", "wb") as f:
+            f.write(buf.getbuffer())
 
     def _load_rank_local(self, path: Path) -> None:
+        """Restore this rank's error feedback if every rank can (same world, method, layout);
+        else every rank starts from zero, as freshly built reducers do."""
         if not any("state" in s for s in reducer_states(self.model)):
             return  # no compression, or a stateless one (bf16)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         f = path / f"{RANK_LOCAL}{rank}.pt"
-        saved = torch.load(f, weights_only=True) if f.is_file() else None
-        if (
-            saved is None
-            or saved["world"] != world
-            or not load_reducer_states(self.model, saved["reducers"])
-        ):
-            # A checkpoint of an uncompressed run, another world size or method: the residuals
-            # start at zero (what every run did before they were saved).
+        try:
+            saved = torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
+            ok = (saved is not None and saved.get("world") == world
+                  and load_reducer_states(self.model, saved["reducers"]))  # fmt: skip
+        except (OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):
+            ok = False
+        everyone = [ok]
+        if dist.is_initialized():
+            everyone = [None] * world
+            dist.all_gather_object(everyone, ok)
+        if not all(everyone):
+            reset_reducer_states(self.model)  # mixed residuals would desynchronise the ranks
             if rank == 0:
-                log.warning("checkpoint %s: no gradient-compression state for this layout; "
-                            "error feedback starts at zero", path.name)  # fmt: skip
+                log.warning("checkpoint %s: no gradient-compression state for this layout "
+                            "(another world size, method or shape); error feedback starts at "
+                            "zero", path.name)  # fmt: skip
 
     def wait(self) -> None:
         """Finish an async save; its failure raises only if that save had to succeed."""
