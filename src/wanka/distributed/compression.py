@@ -58,9 +58,11 @@ class _Transactional:
         return []
 
     def state_dict(self) -> dict:
-        """The kept error feedback (a staged step's is not kept yet), rank-local."""
+        """The kept error feedback (a staged step's is not kept yet), rank-local. Not copied:
+        steps replace these tensors, never write into them, and both users (torch.save, the
+        snapshot's copy into its slot) are done with them before the next step."""
         return {"kind": type(self).__name__, "layout": self.layout(),
-                "state": {k: v.detach().clone() for k, v in self.state.items()}}  # fmt: skip
+                "state": {k: v.detach() for k, v in self.state.items()}}  # fmt: skip
 
     def load_state_dict(self, sd: dict) -> None:
         # Restored on the CPU (snapshots, torch.load): moved to the gradients' device at the
