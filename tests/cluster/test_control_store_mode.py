@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wanka.resilience.ledger import Fault, FaultLedger
+from wanka.resilience.ledger import EvictionPolicy, Fault, FaultLedger
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -83,4 +83,19 @@ def test_stopped_rank_is_a_hang_named_with_its_node(wanka_cluster, tmp_path, ref
     assert m.group(2) == node_of_rank(run, 0, attempt=1)
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("hang", 0, m.group(2))
+    assert summary["state_digest"] == reference["state_digest"]
+
+
+def test_a_killed_node_is_named_node_lost_not_its_peers_crash(wanka_cluster, tmp_path, reference):
+    # Every process of n1 goes at once (agent, launcher, rank); rank on n0 then dies of the
+    # reset connection at once. The node is the cause, with no rank, and it was injected.
+    r, run, summary = train(wanka_cluster, tmp_path, "run", "node_kill@step=3,node=1")
+    m = re.search(r"wanka train: node (n\d): node_lost \((.*)\); restart 1 in", r.stderr)
+    assert m, r.stderr[-3000:]
+    assert m.group(1) == "n1" and "agent was killed (SIGKILL)" in m.group(2)
+    fault = ledger_fault(tmp_path)
+    assert (fault.cause, fault.rank, fault.node) == ("node_lost", None, "n1")
+    # Injected: kept for the record, never counted toward evicting n1.
+    strict = EvictionPolicy(max_faults=1, window_s=3600, same_cause=1)
+    assert FaultLedger(str(tmp_path / "faults.sqlite")).evaluate("n1", strict) is None
     assert summary["state_digest"] == reference["state_digest"]

@@ -197,6 +197,15 @@ def job(tmp_path, server):
     return Coordinator(server, 4, timeouts, agent_timeout_s=5.0, attempt=1), agents, now
 
 
+def named(c, agents, now):
+    """The verdict once every agent has beaten twice after the death was first seen."""
+    assert c.check(now) is None  # first seen: held until every node has beaten since
+    for _ in range(2):
+        for n, a in agents.items():
+            a.beat_agent(n, 0.1)
+    return c.check(now)
+
+
 def test_a_healthy_job_has_no_fault(job):
     c, _, now = job
     assert c.check(now) is None
@@ -205,7 +214,7 @@ def test_a_healthy_job_has_no_fault(job):
 def test_a_gone_rank_is_a_crash_on_its_node(job):
     c, agents, now = job
     agents["n2"].publish_rank(3, record(3, "backward", now - 0.1), "n2", "gone")
-    f = c.check(now)
+    f = named(c, agents, now)
     assert (f.cause, f.rank, f.node) == ("process_crash", 3, "n2")
     assert f.describe() == (
         "rank 3 on node n2: process_crash (rank 3 died in backward of step 4, process gone)"
@@ -217,7 +226,7 @@ def test_the_killed_rank_is_blamed_not_the_ones_that_exited_of_it(job):
     agents["n1"].publish_rank(0, record(3, "sync", now), "n1", "gone")
     agents["n1"].report_exit(0, 1, "", "n1", 1)  # lost its peer in a collective
     agents["n2"].publish_rank(2, record(3, "sync", now), "n2", "Z")
-    f = c.check(now)
+    f = named(c, agents, now)
     assert (f.cause, f.rank, f.node, f.state) == ("process_crash", 2, "n2", "Z")
 
 
@@ -225,7 +234,7 @@ def test_an_exit_code_2_is_a_user_error_with_its_words(job):
     c, agents, now = job
     agents["n1"].publish_rank(1, record(-1, "init", now), "n1", "gone")
     agents["n1"].report_exit(1, supervisor.EXIT_USER_ERROR, "data.path: no such file", "n1", 1)
-    f = c.check(now)
+    f = named(c, agents, now)
     assert (f.cause, f.rank, f.node) == ("user_error", 1, "n1")
     assert "data.path: no such file" in f.detail
 
@@ -233,7 +242,20 @@ def test_an_exit_code_2_is_a_user_error_with_its_words(job):
 def test_a_death_before_the_first_step_is_a_startup_failure(job):
     c, agents, now = job
     agents["n1"].publish_rank(0, record(-1, "init", now), "n1", "gone")
-    assert c.check(now).cause == "startup_failure"
+    assert named(c, agents, now).cause == "startup_failure"
+
+
+def test_a_death_while_another_node_goes_silent_is_that_node_lost(job):
+    # n2 went down: its agent stops, and rank 0 on n1 dies at once of the reset connection.
+    c, agents, now = job
+    agents["n1"].publish_rank(0, record(3, "sync", now), "n1", "gone")
+    agents["n1"].report_exit(0, 1, "Connection reset by peer", "n1", 1)
+    for t in (0.0, 0.3, 0.6):
+        agents["n1"].beat_agent("n1", 0.1)
+        assert c.check(now + t) is None  # not rank 0's crash: n2 has not beaten since
+    agents["n1"].beat_agent("n1", 0.1)
+    f = c.check(now + 6.0)
+    assert (f.cause, f.rank, f.node) == ("node_lost", None, "n2")
 
 
 def test_a_finished_rank_that_left_is_no_fault_nor_is_another_attempt(job):
@@ -276,12 +298,25 @@ def test_a_silent_agent_is_node_lost_and_its_ranks_are_not_blamed(job):
     assert c.check(now) is None
     agents["n1"].beat_agent("n1", 0.1)
     # n2's agent is gone; its ranks' last words look stuck by now, and one looks dead
-    agents["n2"].publish_rank(2, record(3, "forward", now - 30), "n2", "gone")
-    assert c.check(now + 2.0) is None  # n2 is late: no verdict on anyone yet
+    done = {"data": 0.05, "forward": 0.2, "backward": 0.3, "optimizer": 0.1}
+    agents["n2"].publish_rank(2, record(3, "forward", now - 30, done=done), "n2", "gone")
+    assert c.check(now + 0.5) is None  # no verdict on anyone while n2 may only be late
     agents["n1"].beat_agent("n1", 0.1)
-    f = c.check(now + 6.0)
+    # Its ranks' forward limit (1 s: the floor, 3 x 0.2 s learned) is the agent's too.
+    f = c.check(now + 2.0)
     assert (f.cause, f.rank, f.node) == ("node_lost", None, "n2")
-    assert f.describe() == "node n2: node_lost (agent silent for 6.0 s, limit 5.0 s)"
+    assert f.describe() == "node n2: node_lost (agent silent for 2.0 s, limit 1.0 s)"
+
+
+def test_an_agent_whose_ranks_are_starting_gets_the_agent_timeout(job):
+    c, agents, now = job
+    for r in (2, 3):  # n2's ranks are still starting (no phase completed: start-up grace)
+        agents["n2"].publish_rank(r, record(-1, "init", now), "n2", "S")
+    assert c.check(now) is None
+    agents["n1"].beat_agent("n1", 0.1)
+    assert c.check(now + 4.9) is None  # under agent_timeout_s = 5
+    f = c.check(now + 5.5)
+    assert (f.cause, f.node) == ("node_lost", "n2") and "limit 5.0 s" in f.detail
 
 
 def test_a_host_whose_clock_lags_shows_no_false_hang(job, monkeypatch):

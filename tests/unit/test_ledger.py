@@ -69,7 +69,7 @@ def test_same_cause_rule_only_for_node_causes(tmp_path: Path) -> None:
     assert led.evaluate("n2", pol, now=T) is None  # one hang + one slow in the window
     led.record("j", "n2", 1, "slow", time=T - 5)
     assert led.evaluate("n2", pol, now=T) == "2 x slow within 100 s"
-    assert {"hang", "slow", "node_down", "startup_failure", "link"} == NODE_CAUSES
+    assert {"hang", "slow", "node_down", "node_lost", "startup_failure", "link"} == NODE_CAUSES
     # 0 disables a rule.
     assert led.evaluate("n2", EvictionPolicy(max_faults=0, window_s=100, same_cause=0), T) is None
 

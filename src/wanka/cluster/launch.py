@@ -16,21 +16,28 @@ from wanka.cluster.state import ClusterState, require
 RDZV_PORT = 29400
 
 
-def torchrun_argv(st: ClusterState, i: int, nproc_per_node: int, target: list[str],
-                  rdzv_id: str, port: int = RDZV_PORT, nodes: list | None = None) -> list[str]:  # fmt: skip
-    """torchrun for node i of `nodes` (default: all of the cluster's). `target` is what torchrun
-    runs: ["-m", "wanka.cli", ...] or a script path and its arguments."""
+def torchrun_options(st: ClusterState, i: int, nproc_per_node: int, rdzv_id: str,
+                     port: int = RDZV_PORT, nodes: list | None = None) -> list[str]:  # fmt: skip
+    """torchrun's options for node i of `nodes` (default: all of the cluster's)."""
     nodes = nodes or st.nodes
-    node = nodes[i]
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
-        f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
+        f"--nnodes={len(nodes)}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={nodes[0].addr}:{port}", f"--rdzv-id={rdzv_id}",
         # Inside a namespace the hostname resolves to 127.0.0.1: say explicitly who hosts the
         # rendezvous store and which address this node's agent advertises.
-        f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={node.addr}",
-        *target,
+        f"--rdzv-conf=is_host={int(i == 0)}", f"--local-addr={nodes[i].addr}",
     ]  # fmt: skip
+
+
+def torchrun_argv(st: ClusterState, i: int, nproc_per_node: int, target: list[str],
+                  rdzv_id: str, port: int = RDZV_PORT, nodes: list | None = None,
+                  extra: list[str] | None = None) -> list[str]:  # fmt: skip
+    """torchrun for node i of `nodes` (default: all of the cluster's). `target` is what torchrun
+    runs: ["-m", "wanka.cli", ...] or a script path and its arguments; `extra`: more torchrun
+    options (e.g. --max-restarts=3)."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            *torchrun_options(st, i, nproc_per_node, rdzv_id, port, nodes), *(extra or []),
+            *target]  # fmt: skip
 
 
 def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None = None,
@@ -44,7 +51,7 @@ def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None
     deadline = None if timeout is None else time.monotonic() + timeout
     rc = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while not all([p.poll() is not None for p in procs]):  # poll each: any() stops early
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed or (deadline is not None and time.monotonic() > deadline):
                 rc = failed[0] if failed else 124

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from wanka.cluster import netns as nx
-from wanka.cluster.state import ClusterState, Node, save
+from wanka.cluster.state import ClusterState, Node, require, save
 
 
 def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,3 +80,16 @@ def remove_node(st: ClusterState, node: str) -> None:
         nx.kill_netns_pids(n.netns)
         nx.sh("ip", "netns", "del", n.netns)
     nx.wait_gone([n.veth_host])
+
+
+class NodeActions:
+    """What a fault drill does to the nodes of a live cluster (re-reading its state each time)."""
+
+    def __init__(self, sdir: str | Path | None = None) -> None:
+        self.sdir = sdir
+
+    def kill_node(self, node: str) -> int:
+        return kill_node(require(self.sdir), node)
+
+    def set_link(self, node: str, up: bool) -> None:
+        set_link(require(self.sdir), node, up)

@@ -25,10 +25,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from wanka.control.store import DEAD_STATES, GONE, ControlStore, unpack_record
 from wanka.resilience.heartbeat import RECORD_SIZE, exit_code, exit_message
-from wanka.resilience.monitor import process_state
+from wanka.resilience.monitor import DEAD_STATES, GONE, process_state
+
+if TYPE_CHECKING:  # the store imports torch (2 s): the agent starts its command first
+    from wanka.control.store import ControlStore
 
 log = logging.getLogger("wanka.control.agent")
 
@@ -83,7 +86,7 @@ class NodeAgent:
         out = {}
         for rank, path in _rank_files(self.hb_dir, ".hb"):
             raw = _read_record(path)
-            beat = unpack_record(raw, rank) if raw is not None else None
+            beat = _unpack(raw, rank) if raw is not None else None
             if beat is None:
                 continue  # absent or torn: the next poll reads it whole
             self._pids[rank] = (beat.pid, beat.attempt)
@@ -146,6 +149,12 @@ class NodeAgent:
                 pass
 
 
+def _unpack(raw: bytes, rank: int):
+    from wanka.control.store import unpack_record
+
+    return unpack_record(raw, rank)
+
+
 def _rank_files(hb_dir: Path, suffix: str) -> list[tuple[int, Path]]:
     """(rank, path) of hb_dir/rank{N}{suffix}, as heartbeat.read_all finds them."""
     out = []
@@ -179,24 +188,30 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # The command starts first: its own start-up overlaps the agent's (torch for the store).
+    child = subprocess.Popen(cmd, process_group=0) if cmd else None
     try:
+        from wanka.control.store import ControlStore
+
         store = ControlStore.connect(a.host, a.port, a.job, a.timeout_s)
         agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt)
     except ConnectionError as e:
         print(f"wanka agent {a.node}: {e}", file=sys.stderr)
+        if child is not None:  # never left running unwatched
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
         return 1
     stop = threading.Event()
-    if cmd:
-        return run_command(agent, cmd, stop)
+    if child is not None:
+        return run_command(agent, child, stop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     agent.run_until(stop)
     return 0
 
 
-def run_command(agent: NodeAgent, cmd: list[str], stop: threading.Event) -> int:
-    """Run `cmd` as the agent's child, in its own process group, until it exits."""
-    child = subprocess.Popen(cmd, process_group=0)
+def run_command(agent: NodeAgent, child: subprocess.Popen, stop: threading.Event) -> int:
+    """Watch `child` (started in its own process group) until it exits."""
     agent.pgid = child.pid
 
     def forward(sig: int, _frame) -> None:

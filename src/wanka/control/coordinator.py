@@ -4,8 +4,9 @@ It never reads a heartbeat file or /proc: what it knows of a rank is what that r
 published (record, process state, exit mark). The rules are the supervisor's (resilience/
 supervisor.py, resilience/monitor.py), moved off the shared filesystem:
 
-* node_lost: an agent whose beat counter has not advanced for `agent_timeout_s`, timed on the
-  coordinator's own clock (a counter, not a timestamp, so no two hosts' clocks are compared).
+* node_lost: an agent whose beat counter has not advanced for its ranks' hang limit (at most
+  `agent_timeout_s`, and that while it has no rank past start-up), timed on the coordinator's
+  own clock (a counter, not a timestamp, so no two hosts' clocks are compared).
   A node whose ranks all reached `done` is not lost when its agent goes quiet.
   Its ranks are not blamed separately: what they last published is stale, not wrong.
 * process_crash (startup_failure before step 1), user_error, preempted: a rank whose process
@@ -15,7 +16,9 @@ supervisor.py, resilience/monitor.py), moved off the shared filesystem:
   uninterruptible (D) rank if there is one, else the one that stopped making progress first.
 
 While any agent is late (a few polls without a beat) no crash or hang is named: a host going
-down stalls or breaks the ranks of every other host, and the cause is that host.
+down stalls or breaks the ranks of every other host, and the cause is that host. For the same
+reason a death is named only once every node's agent has beaten twice since it was first seen
+(a peer's rank dies of a reset connection at once, before its silence could show): ~2 polls.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class Coordinator:
         # node -> that host's clock minus ours, as of its last beat (underestimated by the
         # delay before we saw it: a stall is never overstated by clock skew)
         self._offset: dict[str, float] = {}
+        self._counts_at_death: dict[str, int] | None = None  # agents' counters when first seen
 
     def check(self, now: float | None = None) -> ControlFault | None:
         """One look at the store; the fault to act on, or None."""
@@ -79,7 +83,7 @@ class Coordinator:
         ranks = {r: rep for r, rep in self.store.read_ranks(self.world_size).items()
                  if self._current(rep.beat.attempt)}  # fmt: skip
         finished = _finished(ranks)
-        lost = self._lost(now, finished)
+        lost = self._lost(now, finished, ranks)
         if lost is not None:
             return lost
         exits = {r: e for r, e in self.store.read_exits(self.world_size).items()
@@ -87,7 +91,11 @@ class Coordinator:
         self.timeouts.observe(rep.beat for rep in ranks.values())
         if self._any_late(now, finished):
             return None
-        return self._exited(ranks, exits, now) or self._hung(ranks, now)
+        died = self._exited(ranks, exits, now)
+        if died is None:
+            self._counts_at_death = None
+            return self._hung(ranks, now)
+        return died if self._every_node_beat_since(finished) else None
 
     def decide_stop(self, attempt: int, reason: str) -> dict:
         """Tell every agent to kill its ranks; returns the decision as written."""
@@ -97,14 +105,35 @@ class Coordinator:
     def _current(self, attempt: int) -> bool:
         return self.attempt is None or attempt == self.attempt
 
-    def _lost(self, now: float, finished: set[str]) -> ControlFault | None:
+    def _lost(self, now: float, finished: set[str],
+              ranks: dict[int, RankReport]) -> ControlFault | None:  # fmt: skip
         silent = {n: now - t for n, (_, t, _) in self._heard.items() if n not in finished}
-        over = [n for n, s in silent.items() if s > self.agent_timeout_s]
+        over = {n: s for n, s in silent.items() if s > self._silence_limit(n, ranks)}
         if not over:
             return None
         node = max(over, key=lambda n: silent[n])  # the first to go quiet
-        detail = f"agent silent for {silent[node]:.1f} s, limit {self.agent_timeout_s:.1f} s"
+        detail = (f"agent silent for {silent[node]:.1f} s, limit "
+                  f"{self._silence_limit(node, ranks):.1f} s")  # fmt: skip
         return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1])
+
+    def _silence_limit(self, node: str, ranks: dict[int, RankReport]) -> float:
+        """How long a node's agent may be silent: its ranks' own hang limits (a host that went
+        is found as soon as its ranks' hang would have been), at most `agent_timeout_s`, the
+        limit too while the node has no rank in a watched phase (start-up)."""
+        limits = [self.monitor.limit(rep.beat) for rep in ranks.values()
+                  if rep.node == node and rep.beat.phase not in UNWATCHED]  # fmt: skip
+        if not limits:
+            return self.agent_timeout_s
+        return min(self.agent_timeout_s, max(self.timeouts.floor, *limits))
+
+    def _every_node_beat_since(self, finished: set[str]) -> bool:
+        """Every unfinished node's agent has beaten twice since a death was first seen, so its
+        node was up after it (one beat may have been written just before its host went)."""
+        counts = {n: c for n, (c, _, _) in self._heard.items() if n not in finished}
+        if self._counts_at_death is None:
+            self._counts_at_death = counts
+        seen = self._counts_at_death
+        return all(c >= seen[n] + 2 for n, c in counts.items() if n in seen)
 
     def _any_late(self, now: float, finished: set[str]) -> bool:
         return any(

@@ -30,9 +30,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from wanka.resilience.heartbeat import RECORD_SIZE, Beat, unpack_beat
+from wanka.resilience.monitor import DEAD_STATES, GONE  # noqa: F401  (re-exported)
 
-GONE = "gone"  # the state of a rank whose process no longer exists
-DEAD_STATES = ("Z", "X", "x", GONE)
 T = TypeVar("T")
 
 

@@ -3,7 +3,9 @@
 A schedule is `;`-separated faults, each `KIND@key=value,...`:
     kill@step=30,rank=1        SIGKILL one rank when it reaches step 30
     stop@step=60,rank=0        SIGSTOP one rank (a hang: the process lives, makes no progress)
-    node_kill@step=90,node=1   SIGKILL every rank of node n1 and drop its shared memory
+    node_kill@step=90,node=1   SIGKILL every rank of node n1 and drop its shared memory (on
+                               the cluster-in-a-box: every process in n1, as a power loss)
+    link_cut@t=300,node=1,for=20   cut node n1's link for 20 s (cluster-in-a-box jobs only)
     fail_start@node=1,times=3  node n1's ranks crash at start-up, on the next 3 launches
     slow@step=40,rank=1,ms=300,steps=20   rank 1 sleeps 300 ms per step, for 20 steps
     nan@step=50,rank=1         rank 1's loss becomes NaN at step 50 (once)
@@ -42,11 +44,13 @@ from pathlib import Path
 
 from wanka.resilience.heartbeat import Beat
 
-OUTSIDE = ("kill", "stop", "node_kill", "sigterm", "corrupt_ckpt", "truncate_ckpt", "disk_full")
+OUTSIDE = ("kill", "stop", "node_kill", "link_cut", "sigterm", "corrupt_ckpt", "truncate_ckpt",
+           "disk_full")  # fmt: skip
 INSIDE = ("nan", "slow", "fail_start")
 FLOAT_PARAMS = ("for", "max_gb")  # every other parameter is an integer
 DISK_FULL_PARAMS = ("for", "steps", "keep_mb", "max_gb")
 DISK_FULL_FOR_S = 30.0  # how long the disk stays full when neither for= nor steps= says
+LINK_CUT_FOR_S = 30.0  # how long a cut link stays down when for= does not say
 BALLAST = ".chaos-ballast"  # in RUN_DIR/checkpoints; never matches a checkpoint's name
 FILL_CAP_ENV = "WANKA_CHAOS_FILL_MAX_GB"
 FILL_CAP_GB = 4.0
@@ -106,6 +110,8 @@ def parse_schedule(text: str) -> list[Fault]:
             raise ValueError(f"chaos fault {item!r}: say when, with step=N or t=SECONDS")
         if kind == "disk_full":
             _check_disk_full(f, item)
+        if kind in ("node_kill", "link_cut"):
+            _check_node_fault(f, item)
         if kind in ("kill", "stop", "nan", "slow") and f.rank is None:
             f.rank = 0
         faults.append(f)
@@ -127,6 +133,18 @@ def _check_disk_full(f: Fault, item: str) -> None:
         raise ValueError(f"chaos fault {item!r}: keep_mb must be >= 0 ({takes})")
 
 
+def _check_node_fault(f: Fault, item: str) -> None:
+    takes = "node=N" + (", for=SECONDS" if f.kind == "link_cut" else "")
+    allowed = ("node", "for") if f.kind == "link_cut" else ("node",)
+    unknown = [k for k in f.params if k not in allowed] + (["rank"] if f.rank is not None else [])
+    if unknown:
+        raise ValueError(f"chaos fault {item!r}: unknown parameter {unknown[0]!r} ({f.kind} takes {takes})")  # fmt: skip
+    if f.params.get("node", 0) < 0 or f.params.get("for", 1) <= 0:
+        raise ValueError(f"chaos fault {item!r}: node must be >= 0 and for > 0 ({takes})")
+    if f.kind == "link_cut" and "node" not in f.params:
+        raise ValueError(f"chaos fault {item!r}: say which node's link, with node=N (n0 is 0)")
+
+
 class ChaosDriver:
     """Fires the outside faults of a schedule while the supervisor polls heartbeats."""
 
@@ -137,6 +155,7 @@ class ChaosDriver:
         self.snapshot_root, self.timeline = snapshot_root, timeline
         self.fired: dict[int, float] = {}  # fault id -> injection time
         self.fired_rank: dict[int, float] = {}  # rank -> last injection time hitting it
+        self.fired_node: dict[str, float] = {}  # node -> last node_kill / link_cut time
         self.sigterm_time: float | None = None
         self.t_start = time.time()
         self.marks = self.run_dir / "resilience" / "chaos"
@@ -146,6 +165,9 @@ class ChaosDriver:
         self._collect_inside_marks()  # a resubmitted job must not replay faults that fired
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.ballasts: dict[int, Ballast] = {}  # fault id -> the file filling the disk now
+        # On the cluster-in-a-box (set by the caller): .kill_node(name), .set_link(name, up).
+        self.cluster = None
+        self.cuts: dict[int, tuple[str, float, str, float]] = {}  # id -> node, until, spec, t0
         self._owner = os.getpid()  # forked ranks inherit atexit handlers: only we release
         self._atexit = False
         remove_ballast(self.ckpt_dir)  # left behind by a supervisor that was SIGKILLed
@@ -178,8 +200,12 @@ class ChaosDriver:
         self._collect_inside_marks()
         return any(f.kind == kind and f.rank == rank and f.id in self.fired for f in self.faults)
 
-    def fault_time(self, rank: int | None) -> float | None:
-        return self.fired_rank.get(rank) if rank is not None else None
+    def fault_time(self, rank: int | None, node: str | None = None) -> float | None:
+        """When the last injected fault hit this rank (else its node, for a node-level fault
+        named without a rank), or None: a fault not injected by us."""
+        if rank is not None:
+            return self.fired_rank.get(rank)
+        return self.fired_node.get(node) if node is not None else None
 
     def poll(self, beats: dict[int, Beat], now: float, attempt: int,
              node_of: Callable[[int], str | None] | None = None) -> None:  # fmt: skip
@@ -212,7 +238,17 @@ class ChaosDriver:
                 self.fired[f.id] = now
                 self.marks.mkdir(parents=True, exist_ok=True)
                 (self.marks / f"{f.id}.fired").touch()
-                self.timeline.event("chaos", now, now, fault=f.spec(), attempt_no=attempt)
+                # Where it struck: a drill checks that the fault is named with this node.
+                node = self._target_node(f)
+                self.timeline.event("chaos", now, now, fault=f.spec(), attempt_no=attempt,
+                                    **({"node": node} if node else {}))  # fmt: skip
+
+    def _target_node(self, f: Fault) -> str | None:
+        if f.kind in ("kill", "stop"):
+            return self._node_of(f.rank)
+        if f.kind in ("node_kill", "link_cut"):
+            return f"n{f.params['node']}" if "node" in f.params else self._node_of(0)
+        return None
 
     def _fire(self, f: Fault, beats: dict[int, Beat]) -> bool:
         if f.kind in ("kill", "stop"):
@@ -236,6 +272,11 @@ class ChaosDriver:
                     pass
                 self.fired_rank[b.rank] = time.time()
             drop_node(Path(self.snapshot_root), self.job, node)
+            self.fired_node[node] = time.time()
+            if self.cluster is not None:  # the node's agent and launcher go too, as in a power loss
+                self.cluster.kill_node(node)
+        elif f.kind == "link_cut":
+            return self._cut(f, beats)
         elif f.kind == "sigterm":
             self.sigterm_time = time.time()
             os.kill(self.job_pid, signal.SIGTERM)  # the job gets the notice; it reaches the ranks
@@ -244,6 +285,41 @@ class ChaosDriver:
         else:
             return damage_latest_checkpoint(self.run_dir / "checkpoints", f.kind)
         return True
+
+    # -- link_cut ------------------------------------------------------------------------------
+    def _cut(self, f: Fault, beats: dict[int, Beat]) -> bool:
+        node = f"n{f.params['node']}"
+        if self.cluster is None:
+            self.fired[f.id] = time.time()  # never retried
+            print(f"wanka train: chaos {f.spec()} not injected: link faults need a --cluster "
+                  "job on the cluster-in-a-box", file=sys.stderr, flush=True)  # fmt: skip
+            return False
+        try:
+            self.cluster.set_link(node, False)
+        except ValueError as e:
+            self.fired[f.id] = time.time()
+            print(f"wanka train: chaos {f.spec()} not injected: {e}", file=sys.stderr, flush=True)
+            return False
+        now = time.time()
+        self.cuts[f.id] = (node, now + f.params.get("for", LINK_CUT_FOR_S), f.spec(), now)
+        self.fired_node[node] = now
+        for b in beats.values():  # what the cut makes of them is injected, not the node's fault
+            if self._node_of(b.rank) == node:
+                self.fired_rank[b.rank] = now
+        if not self._atexit:
+            atexit.register(self.close)
+            self._atexit = True
+        return True
+
+    def _restore_links(self, now: float, all_: bool = False) -> None:
+        for fid, (node, until, spec, t0) in list(self.cuts.items()):
+            if all_ or now >= until:
+                del self.cuts[fid]
+                try:
+                    self.cluster.set_link(node, True)
+                except ValueError as e:  # the node was removed meanwhile: nothing to restore
+                    print(f"wanka train: chaos: link of {node} not restored: {e}", file=sys.stderr)
+                self.timeline.event("chaos", t0, time.time(), fault=spec, released=True, node=node)
 
     # -- disk_full -----------------------------------------------------------------------------
     def _fill(self, f: Fault, beats: dict[int, Beat]) -> bool:
@@ -272,6 +348,7 @@ class ChaosDriver:
         return True
 
     def _release_due(self, beats: dict[int, Beat], now: float) -> None:
+        self._restore_links(now)
         step = max((b.step for b in beats.values()), default=None)
         for fid, b in list(self.ballasts.items()):
             if (b.until_t is not None and now >= b.until_t) or (
@@ -293,6 +370,7 @@ class ChaosDriver:
         """Remove every ballast still in place (the job ended before its time was up)."""
         if os.getpid() != self._owner:
             return
+        self._restore_links(time.time(), all_=True)
         for fid in list(self.ballasts):
             self._release(fid)
 

@@ -16,7 +16,8 @@ def _drill(a: argparse.Namespace) -> int:
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
                    operator_timeout_s=a.operator_timeout,
                    reference=Path(a.reference) if a.reference else None,
-                   wanka=not a.baseline_only, ckpt_fs_mb=a.ckpt_fs_mb)  # fmt: skip
+                   wanka=not a.baseline_only, ckpt_fs_mb=a.ckpt_fs_mb,
+                   cluster_state=(a.cluster_state or "") if a.cluster else None)  # fmt: skip
     print(format_drill(result))
     print(f"\nfull results: {out / 'drill.json'}")
     run = result["runs"].get("wanka") or result["runs"]["baseline"]
@@ -66,6 +67,12 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--ckpt-fs-mb", type=_positive_int, default=None, metavar="MIB",
                    help="put each run's checkpoints on a tmpfs of this size (root on Linux; "
                         "unmounted after the run, its checkpoints with it), for disk_full faults")  # fmt: skip
+    d.add_argument("--cluster", action="store_true",
+                   help="run every job across the nodes of `wanka cluster up` (--nproc ranks per "
+                        "node); node_kill takes the whole node, link_cut@...,node=N,for=S works")  # fmt: skip
+    d.add_argument(
+        "--cluster-state", default=None, help="cluster state dir (default: the testbed's)"
+    )
     d.set_defaults(fn=_drill)
     s = sub.add_parser("show", help="print the tables of a finished drill")
     s.add_argument("--out", default="runs/drill", help="the drill's --out folder")

@@ -1,51 +1,142 @@
-"""One attempt of a supervised job across the cluster-in-a-box: torchrun on every healthy node.
+"""One attempt of a supervised job across the cluster-in-a-box: a launcher on every healthy node.
 
 The supervisor (resilience/supervisor.py) decides which nodes take part (evicted ones do not)
-and watches every rank's heartbeat; this module starts torchrun inside each chosen node's
-namespace, all meeting at a fresh c10d rendezvous on the first chosen node, waits, and tears
-the attempt down as soon as one node fails so the others do not wait on a dead peer.
+and watches every rank's heartbeat; this module gives each chosen node's launcher
+(resilience/node_launch.py: torch's elastic agent in-process, ranks forked after the imports)
+its orders, all meeting at a fresh c10d rendezvous on the first chosen node, waits, and tears
+the attempt down as soon as one node fails so the others do not wait on a dead peer. While an
+attempt runs, the next attempt's launchers are started and import torch and wanka (WarmLaunchers),
+so a restart does not pay two interpreter starts and imports per node before its first step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 from wanka.cluster import nodes as nd
-from wanka.cluster.launch import RDZV_PORT, torchrun_argv
+from wanka.cluster.launch import RDZV_PORT, torchrun_options
 from wanka.cluster.state import ClusterState, Node
+
+# Start the next attempt's launchers once this attempt's ranks are training (not during their
+# start-up, whose imports and rendezvous they would slow on a busy host), or after this long.
+PREWARM_AFTER_S = 30.0
+
+
+def start_launcher(
+    node: Node, attempt: int, log_dir: Path | None, launcher=None
+) -> subprocess.Popen:
+    """A node launcher for `attempt` inside `node`, importing, waiting for its orders on stdin.
+    `launcher` (resilience.control = "store") wraps it in the node's agent."""
+    argv = [sys.executable, "-m", "wanka.resilience.node_launch"]
+    env = dict(os.environ)
+    if launcher is not None:
+        argv, env = launcher.command(node, argv, attempt), launcher.env(node, env, attempt)
+    out = subprocess.DEVNULL
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(log_dir / f"{node.name}-attempt{attempt}.log", "w")  # noqa: SIM115
+    return nd.popen(node, argv, env=env, stdin=subprocess.PIPE, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+class WarmLaunchers:
+    """Launchers started ahead of the attempt that will use them, per (attempt, node)."""
+
+    def __init__(self, log_dir: Path | None, launcher=None) -> None:
+        self.log_dir, self.launcher = log_dir, launcher
+        self.ready: dict[tuple[int, str], subprocess.Popen] = {}
+
+    def prepare(self, attempt: int, nodes: list[Node]) -> None:
+        for node in nodes:
+            if (attempt, node.name) not in self.ready:
+                self.ready[attempt, node.name] = start_launcher(node, attempt, self.log_dir,
+                                                                self.launcher)  # fmt: skip
+
+    def take(self, attempt: int, node: Node) -> subprocess.Popen:
+        """This attempt's launcher for `node`: the warm one if it is still alive (a node_kill
+        takes it with the node), else a cold one. Older attempts' spares are let go."""
+        for key in [k for k in self.ready if k[0] < attempt]:
+            _dismiss(self.ready.pop(key))
+        p = self.ready.pop((attempt, node.name), None)
+        if p is not None and p.poll() is None:
+            return p
+        if p is not None:
+            _dismiss(p)
+        return start_launcher(node, attempt, self.log_dir, self.launcher)
+
+    def close(self) -> None:
+        for p in self.ready.values():
+            _dismiss(p)
+        self.ready.clear()
+
+
+def _dismiss(p: subprocess.Popen) -> None:
+    """End a launcher that got no orders: closing its stdin makes it exit (and its agent)."""
+    try:
+        p.stdin.close()
+        p.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def _give_orders(p: subprocess.Popen, orders: dict) -> bool:
+    try:
+        p.stdin.write((json.dumps(orders) + "\n").encode())
+        p.stdin.close()
+        return True
+    except OSError:  # it died between take() and now
+        return False
 
 
 def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: list[str],
                 env: dict[str, str], attempt: int, stop: threading.Event,
-                preempt: threading.Event, log_dir=None,
-                launcher=None) -> tuple[list[int], str | None]:  # fmt: skip
-    """Returns (exit codes of the node launchers, name of the first node that failed).
+                preempt: threading.Event, log_dir=None, launcher=None,
+                warm: WarmLaunchers | None = None, start_method: str = "fork",
+                started: Callable[[], bool] | None = None,
+                ) -> tuple[list[int], str | None, int | None]:  # fmt: skip
+    """Returns (exit codes of the node launchers, name of the first node that failed, the exit
+    code that node's launcher had before anything was torn down from here, or None).
     `stop`: tear down now (the monitor saw a fault); `preempt`: forward SIGTERM to every
-    node's torchrun (which forwards it to the ranks) and give the last-gasp checkpoint time.
-    `launcher` (resilience.control = "store"): wraps each node's torchrun in its node agent
-    (.command, .env) and tears a node down its own way (.kill)."""
+    node's launcher (which passes it to the ranks) and give the last-gasp checkpoint time.
+    `launcher` (resilience.control = "store"): wraps each node's launcher in its node agent
+    (.command, .env) and tears a node down its own way (.kill). `warm`: where this attempt's
+    launchers may already be waiting, and the next attempt's are started once `started()`
+    says the ranks are training."""
+    warm = warm or WarmLaunchers(log_dir, launcher)
     rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"
     port = RDZV_PORT + attempt % 50  # a torn-down store may still hold the last port briefly
     procs: dict[str, subprocess.Popen] = {}
     for i, node in enumerate(nodes):
-        out = subprocess.DEVNULL
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(log_dir / f"{node.name}-attempt{attempt}.log", "w")  # noqa: SIM115
-        argv = torchrun_argv(st, i, nproc, ["-m", "wanka.cli", *worker_argv], rdzv_id, port, nodes)
-        node_env = {**os.environ, **env}
-        if launcher is not None:
-            argv, node_env = launcher.command(node, argv), launcher.env(node, node_env)
-        procs[node.name] = nd.popen(node, argv, env=node_env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    first_failed = None
+        node_env = nd.node_env(node, dict(env))
+        if launcher is not None:  # e.g. the node's own heartbeat folder
+            node_env = launcher.env(node, node_env, attempt)
+        orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes),
+                  "argv": worker_argv, "env": node_env, "start_method": start_method}  # fmt: skip
+        p = warm.take(attempt, node)
+        if not _give_orders(p, orders):
+            _dismiss(p)
+            p = start_launcher(node, attempt, log_dir, launcher)
+            _give_orders(p, orders)
+        procs[node.name] = p
+    t_start = time.monotonic()
+    first_failed, own_code = None, None
     try:
-        while any(p.poll() is None for p in procs.values()):
+        # Every launcher is polled each time (any() would stop at the first live one, and a
+        # dead node's launcher would go unseen until the others ended).
+        while not all([p.poll() is not None for p in procs.values()]):
             if preempt.is_set():
                 for p in procs.values():
                     if p.poll() is None:
@@ -57,10 +148,13 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
             failed = [n for n, p in procs.items() if p.returncode not in (None, 0)]
             if failed or stop.is_set():
                 first_failed = failed[0] if failed else None
+                own_code = procs[first_failed].returncode if failed else None
                 break
+            if (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S:
+                warm.prepare(attempt + 1, nodes)
             time.sleep(0.05)
     finally:
-        for name, p in procs.items():  # the whole process group: torchrun and its ranks
+        for name, p in procs.items():  # the whole process group: the launcher and its ranks
             if launcher is not None:
                 launcher.kill(name, p)
             elif p.poll() is None:
@@ -72,4 +166,4 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
             p.wait()
     if first_failed is None:
         first_failed = next((n for n, p in procs.items() if p.returncode), None)
-    return [p.returncode for p in procs.values()], first_failed
+    return [p.returncode for p in procs.values()], first_failed, own_code

@@ -55,9 +55,12 @@ def _summary(run_dir: Path) -> dict:
 
 
 def run_wanka(config: str | None, overrides: list[str], nproc: int, run_dir: Path,
-              schedule: str, log) -> dict:  # fmt: skip
+              schedule: str, log, cluster_state: str | None = None) -> dict:  # fmt: skip
+    """`cluster_state`: run across the nodes of the cluster-in-a-box ("" = the default one),
+    `nproc` ranks on each."""
     sets = [*overrides, f'run.dir="{run_dir}"']
-    argv = _wanka(["train", *([config] if config else []), "--nproc", str(nproc),
+    where = [] if cluster_state is None else ["--cluster", *(["--cluster-state", cluster_state] if cluster_state else [])]  # fmt: skip
+    argv = _wanka(["train", *([config] if config else []), "--nproc", str(nproc), *where,
                    *sum((["--set", s] for s in sets), []), *(["--chaos", schedule] if schedule else [])])  # fmt: skip
     t0 = time.time()
     submissions = 0
@@ -70,8 +73,10 @@ def run_wanka(config: str | None, overrides: list[str], nproc: int, run_dir: Pat
 
 
 def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: Path,
-                 schedule: str, operator_timeout_s: float, max_restarts: int, log) -> dict:  # fmt: skip
-    """torchrun --max-restarts, ranks without supervision; faults injected from here."""
+                 schedule: str, operator_timeout_s: float, max_restarts: int, log,
+                 cluster_state: str | None = None) -> dict:  # fmt: skip
+    """torchrun --max-restarts, ranks without supervision; faults injected from here. With
+    `cluster_state`, one torchrun per node of the cluster-in-a-box at a c10d rendezvous."""
     from wanka.resilience.supervisor import job_id
 
     sets = [*overrides, f'run.dir="{run_dir}"', "resilience.supervise=false",
@@ -84,24 +89,24 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
     timeline.event("job", t_job, None)
     while True:
         submissions += 1
-        # --standalone: a fresh c10d rendezvous per restart round, as users run single-node jobs
-        # (a static --master-port rendezvous can hang on restart: the old round's store keys).
-        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                f"--max-restarts={max_restarts}", "--standalone",
-                "-m", "wanka.cli", "train", *([config] if config else []),
-                *sum((["--set", s] for s in sets), [])]  # fmt: skip
+        target = ["-m", "wanka.cli", "train", *([config] if config else []),
+                  *sum((["--set", s] for s in sets), [])]  # fmt: skip
         # A plain training script dies on a failed checkpoint write (torchrun then restarts it).
         env = {**os.environ, "WANKA_HB_DIR": str(hb_dir), "WANKA_TIMELINE": "1",
                "OMP_NUM_THREADS": "1", "WANKA_CHECKPOINT_FAILURES": "fatal"}  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        procs = _submit(target, nproc, max_restarts, env, log, cluster_state, submissions)
         if driver is None:
             driver = ChaosDriver(parse_schedule(schedule), run_dir, job_id(run_dir), "/dev/shm/wanka",
-                                 timeline, job_pid=proc.pid)  # fmt: skip
-        driver.job_pid = proc.pid
+                                 timeline, job_pid=procs[0].pid)  # fmt: skip
+            if cluster_state is not None:
+                from wanka.cluster.nodes import NodeActions
+
+                driver.cluster = NodeActions(cluster_state or None)
+        driver.job_pid = procs[0].pid
         try:
-            stalled = _drive(proc, driver, hb_dir, operator_timeout_s, timeline)
-            rc = proc.wait()
+            stalled = _drive(procs, driver, hb_dir, operator_timeout_s, timeline)
+            codes = [p.wait() for p in procs]
+            rc = next((c for c in codes if c), 0)
         finally:
             driver.close()  # a full disk never outlives the job that was to suffer it
             _kill_ranks(hb_dir)  # a submission leaves no rank behind, however it ended
@@ -117,11 +122,35 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
     return {"rc": rc, "wall_s": time.time() - t_job, "submissions": submissions}
 
 
-def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_timeout_s: float,
-           timeline: TimelineWriter) -> bool:  # fmt: skip
-    """Inject faults while the baseline runs; kill it if it makes no progress for too long."""
+def _submit(target: list[str], nproc: int, max_restarts: int, env: dict, log,
+            cluster_state: str | None, submission: int) -> list[subprocess.Popen]:  # fmt: skip
+    restarts = f"--max-restarts={max_restarts}"
+    if cluster_state is None:
+        # --standalone: a fresh c10d rendezvous per restart round, as users run single-node jobs
+        # (a static --master-port rendezvous can hang on restart: the old round's store keys).
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                restarts, "--standalone", *target]  # fmt: skip
+        return [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)]  # fmt: skip
+    import uuid
+
+    from wanka.cluster import nodes as nd
+    from wanka.cluster.launch import RDZV_PORT, torchrun_argv
+    from wanka.cluster.state import require
+
+    st = require(cluster_state or None)
+    rdzv_id, port = f"drill-{uuid.uuid4().hex[:8]}", RDZV_PORT + 50 + submission % 50
+    return [nd.popen(n, torchrun_argv(st, i, nproc, target, rdzv_id, port, extra=[restarts]),
+                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for i, n in enumerate(st.nodes)]  # fmt: skip
+
+
+def _drive(procs: list[subprocess.Popen], driver: ChaosDriver, hb_dir: Path,
+           operator_timeout_s: float, timeline: TimelineWriter) -> bool:  # fmt: skip
+    """Inject faults while the baseline runs; kill it if it makes no progress for too long
+    (a node whose torchrun died leaves the others waiting at the rendezvous: that too)."""
     last_step, last_change = None, time.time()
-    while proc.poll() is None:
+    while any(p.poll() is None for p in procs):
         time.sleep(0.05)
         now = time.time()
         beats = read_all(hb_dir)
@@ -134,7 +163,11 @@ def _drive(proc: subprocess.Popen, driver: ChaosDriver, hb_dir: Path, operator_t
         elif now - last_change > operator_timeout_s:
             timeline.event("fault", last_change, now, cause="hang", detail="operator gave up waiting",
                            injected=True)  # fmt: skip
-            os.killpg(proc.pid, signal.SIGKILL)
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             _kill_ranks(hb_dir)
             return True
     return False
@@ -161,10 +194,12 @@ def _kill_ranks(hb_dir: Path) -> None:
 def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, out_dir: Path,
           baseline: bool = True, operator_timeout_s: float = 60.0,
           reference: Path | None = None, wanka: bool = True,
-          ckpt_fs_mb: int | None = None) -> dict:  # fmt: skip
+          ckpt_fs_mb: int | None = None, cluster_state: str | None = None) -> dict:  # fmt: skip
     """`reference`: a finished fault-free run of the same config to compare with, instead of
     running one (its resolved config must match, or the comparison means nothing).
-    `ckpt_fs_mb`: each run's checkpoints on a tmpfs of that many MiB (root on Linux)."""
+    `ckpt_fs_mb`: each run's checkpoints on a tmpfs of that many MiB (root on Linux).
+    `cluster_state`: every run across the nodes of the cluster-in-a-box ("" = the default
+    cluster), `nproc` ranks per node."""
     faults = parse_schedule(schedule)  # bad schedules fail here, in one line
     if not ckpt_fs_mb:  # refuse a disk_full that would fill this disk now, not in a later run
         for f in faults:
@@ -173,18 +208,23 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "drill.log", "a")  # noqa: SIM115
     runs: dict[str, dict] = {}
-    plan = [("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log))][
+    cs = cluster_state
+    if cs is not None:
+        from wanka.cluster.state import require
+
+        require(cs or None)  # no cluster up: say so now, in one line
+    plan = [("wanka", lambda d: run_wanka(config, overrides, nproc, d, schedule, log, cs))][
         : int(wanka)
     ]
     if reference is None:
-        plan.insert(0, ("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log)))
+        plan.insert(0, ("reference", lambda d: run_wanka(config, overrides, nproc, d, "", log, cs)))
     else:
         _check_reference(Path(reference), config, overrides)
         runs["reference"] = {"digest": _summary(Path(reference)).get("state_digest"),
                              "dir": str(reference)}  # fmt: skip
     if baseline:
         plan.append(("baseline", lambda d: run_baseline(config, overrides, nproc, d, schedule,
-                                                        operator_timeout_s, 5, log)))  # fmt: skip
+                                                        operator_timeout_s, 5, log, cs)))  # fmt: skip
     for name, fn in plan:
         run_dir = out_dir / name
         if run_dir.exists():
@@ -212,6 +252,7 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
     for res in runs.values():
         res["state_equal"] = res["digest"] is not None and res["digest"] == ref
     result = {"schedule": schedule, "nproc": nproc, "overrides": overrides, "runs": runs,
+              "cluster": cs is not None,
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     (out_dir / "drill.json").write_text(json.dumps(result, indent=1, default=str))
     return result
@@ -224,12 +265,12 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
     run of the job; steps lost = steps done before the injection that had to be done again."""
     # A disk_full also logs its release (the fill's window); that is not another injection.
     chaos = [e for e in events if e["kind"] == "chaos" and not e.get("released")]
-    injections = [(e["t0"], e["fault"].split("@")[0]) for e in chaos]
+    injections = [(e["t0"], e["fault"].split("@")[0], e.get("node")) for e in chaos]
     # Faults injected inside a rank (nan, slow) leave a mark file when they fire.
     kinds = {f.id: f.kind for f in parse_schedule(schedule)}
     for p in marks.glob("*.fired") if marks.is_dir() else ():
         if kinds.get(int(p.stem)) in ("nan", "slow"):
-            injections.append((p.stat().st_mtime, kinds[int(p.stem)]))
+            injections.append((p.stat().st_mtime, kinds[int(p.stem)], None))
     injections.sort()
     detections = sorted(
         (e for e in events if e["kind"] == "fault"), key=lambda e: e["t1"] or e["t0"]
@@ -238,7 +279,7 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
         (e for e in events if e["kind"] == "step" and e.get("t1")), key=lambda e: e["t0"]
     )
     rows = []
-    for i, (t_inj, kind) in enumerate(injections):
+    for i, (t_inj, kind, node) in enumerate(injections):
         t_next = injections[i + 1][0] if i + 1 < len(injections) else float("inf")
         cause = SHOWS_LATER.get(kind)
         until = float("inf") if cause else t_next
@@ -258,7 +299,8 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
         redone = {e["step"] for e in after if e["step"] < interrupted}
         rows.append({"kind": kind, "t": t_inj, "detected": det is not None,
                      "detect_s": (det["t1"] or det["t0"]) - t_inj if det else None,
-                     "detected_as": det.get("cause") if det else None,
+                     "detected_as": det.get("cause") if det else None, "node": node,
+                     "named_node": det.get("node") if det else None,
                      "to_productive_s": to_productive, "steps_lost": len(redone)})  # fmt: skip
     return rows
 
@@ -284,11 +326,16 @@ def format_drill(result: dict) -> str:
         lines.append(f"\n== {name}: goodput {100 * r.get('goodput', 0):.1f}% | wall {r['wall_s']:.1f} s"
                      f" | submissions {r['submissions']} | final state "
                      f"{'== reference' if r['state_equal'] else '!= reference'} | exit {r['rc']}")  # fmt: skip
-        lines.append(f"  {'fault':<14}{'detected':>9}{'as':>25}{'detect s':>10}"
+        nodes = result.get("cluster")  # where the fault struck, and where it was said to be
+        lines.append(f"  {'fault':<14}{'node':>5}{'detected':>9}{'as':>25}{'on':>5}{'detect s':>10}"
+                     f"{'to productive s':>17}{'steps lost':>12}" if nodes else
+                     f"  {'fault':<14}{'detected':>9}{'as':>25}{'detect s':>10}"
                      f"{'to productive s':>17}{'steps lost':>12}")  # fmt: skip
         for f in r.get("injected", []):
             lat, rec = f["detect_s"], f["to_productive_s"]
-            lines.append(f"  {f['kind']:<14}{'yes' if f['detected'] else 'no':>9}"
-                         f"{str(f['detected_as'] or '-'):>25}{'-' if lat is None else f'{lat:.2f}':>10}"
+            where = f"{f.get('node') or '-':>5}" if nodes else ""
+            on = f"{f.get('named_node') or '-':>5}" if nodes else ""
+            lines.append(f"  {f['kind']:<14}{where}{'yes' if f['detected'] else 'no':>9}"
+                         f"{str(f['detected_as'] or '-'):>25}{on}{'-' if lat is None else f'{lat:.2f}':>10}"
                          f"{'-' if rec is None else f'{rec:.2f}':>17}{f['steps_lost']:>12}")  # fmt: skip
     return "\n".join(lines)

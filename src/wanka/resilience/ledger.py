@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Causes that say something about the machine, so repeating them is grounds for eviction.
-NODE_CAUSES = {"node_down", "startup_failure", "hang", "slow", "link"}
+NODE_CAUSES = {"node_down", "node_lost", "startup_failure", "hang", "slow", "link"}
 # Causes that follow the job (its code, data or scheduler), not the machine.
 OTHER_CAUSES = {"process_crash", "nan", "preempted", "checkpoint_corrupt", "user_error"}
 ALL_CAUSES = NODE_CAUSES | OTHER_CAUSES

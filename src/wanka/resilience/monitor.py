@@ -125,6 +125,10 @@ def stragglers(
     return slow
 
 
+GONE = "gone"  # the state of a rank whose process no longer exists
+DEAD_STATES = ("Z", "X", "x", GONE)
+
+
 def process_state(pid: int) -> str | None:
     """One letter from /proc/PID/stat (R, S, D, T, Z ...), None if the process is gone."""
     try:

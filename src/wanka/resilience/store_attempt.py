@@ -119,15 +119,16 @@ class StoreControl:
             shutil.rmtree(self.hb_dir(n.name), ignore_errors=True)
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
-    def command(self, node, argv: list[str]) -> list[str]:
-        s = self.store
+    def command(self, node, argv: list[str], attempt: int) -> list[str]:
+        """`argv` run by node `node`'s agent for `attempt` (started ahead of it when warm)."""
+        s = self.server
         return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
-                str(s.port), "--job", s.job, "--node", node.name, "--hb-dir",
-                str(self.hb_dir(node.name)), "--poll-s", str(AGENT_POLL_S),
-                "--attempt", str(self.attempt), "--", *argv]  # fmt: skip
+                str(s.port), "--job", f"{self.sup.job}/a{attempt}", "--node", node.name,
+                "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
+                "--attempt", str(attempt), "--", *argv]  # fmt: skip
 
-    def env(self, node, env: dict[str, str]) -> dict[str, str]:
-        return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name))}
+    def env(self, node, env: dict[str, str], attempt: int) -> dict[str, str]:
+        return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name, attempt))}
 
     def kill(self, node: str, _p: subprocess.Popen) -> None:
         """The end of a node's attempt, whatever its agent managed."""
@@ -169,7 +170,7 @@ class StoreControl:
             fault.node,
             fault.detail,
         )
-        out.t_fault = sup.chaos.fault_time(fault.rank) or fault.t_fault or now
+        out.t_fault = sup.chaos.fault_time(fault.rank, fault.node) or fault.t_fault or now
         out.t_detect = now
         self.coordinator.decide_stop(attempt, fault.describe())  # each agent kills its ranks
         # Should no agent act on it (its store link broken, itself stuck), the attempt is torn

@@ -55,6 +55,7 @@ class Outcome:
     exits: dict[int, int] = field(default_factory=dict)  # global rank -> exit code (the agent's)
     error: str | None = None  # the failed rank's last exception line, from its log
     said: str | None = None  # user_error: what the rank said (one line), printed by run()
+    launcher_killed: tuple[str, int] | None = None  # (node, code): its launcher died of a signal
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -154,6 +155,9 @@ class Supervisor:
             from wanka.cluster.state import require
 
             self.cluster = require(cluster_state or None)
+            from wanka.cluster.nodes import NodeActions
+
+            self.chaos.cluster = NodeActions(cluster_state or None)
         self.control = None  # resilience.control = "store": resilience/store_attempt.py
         if self.rc.control == "store" and self.cluster is not None:
             from wanka.resilience.store_attempt import StoreControl
@@ -163,6 +167,7 @@ class Supervisor:
             log.warning("resilience.control = store applies to --cluster jobs: watching files")
         self._preempt = threading.Event()
         self._warned: set[str] = set()
+        self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
 
     # -- one attempt -------------------------------------------------------------------------
     def _launch_config(self):
@@ -226,6 +231,8 @@ class Supervisor:
             watcher.join()
             self.timeouts.save()
             self._catch_stop_requests()  # the agent left its own handlers behind
+        if out.launcher_killed is not None:
+            self._node_lost(out)
         # What the ranks said on exit. A stop request ends the job whether or not the ranks
         # managed their last-gasp checkpoint; `confirmed` says whether they did.
         marks = self.control.exit_marks() if self.control is not None else None
@@ -282,15 +289,43 @@ class Supervisor:
     def _cluster_attempt(
         self, attempt: int, env: dict, out: Outcome, stop: threading.Event
     ) -> None:
-        from wanka.resilience.cluster_attempt import run_attempt
+        from wanka.device import resolve_device_type
+        from wanka.resilience.cluster_attempt import WarmLaunchers, run_attempt
 
         # WANKA_NODE is replaced by each node's own name (cluster/nodes.py node_env).
-        codes, failed = run_attempt(self.cluster, self.active_nodes(), self.nproc, self.worker_argv,
-                                    env, attempt, stop, self._preempt,
-                                    self.run_dir / "logs", launcher=self.control)  # fmt: skip
+
+        if self._warm is None:
+            self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
+        # Ranks fork from the warm launcher; CUDA/NPU state does not survive a fork.
+        fork = resolve_device_type(self.cfg.run.device) == "cpu"
+        codes, failed, own_code = run_attempt(self.cluster, self.active_nodes(), self.nproc,
+                                              self.worker_argv, env, attempt, stop, self._preempt,
+                                              self.run_dir / "logs", launcher=self.control,
+                                              warm=self._warm,
+                                              start_method="fork" if fork else "spawn",
+                                              started=lambda: out.max_step >= 0)  # fmt: skip
         if any(codes):
             out.codes = [c for c in codes if c]
             out.node = out.node or failed
+            if own_code is not None and own_code < 0:  # the node's launcher itself was killed
+                out.launcher_killed = (failed, own_code)
+
+    def _node_lost(self, out: Outcome) -> None:
+        """A node's launcher (its agent in store mode, its torchrun otherwise) killed by a
+        signal we did not send: the node went, and what its peers' ranks did after (crash on a
+        reset connection, hang) follows from that, so it is named, not them."""
+        node, code = out.launcher_killed
+        if out.cause in ("user_error", "preempted") or out.cause.startswith("node"):
+            return
+        try:
+            how = signal.Signals(-code).name
+        except ValueError:
+            how = f"signal {-code}"
+        what = "agent" if self.control is not None else "torchrun"
+        out.cause, out.rank, out.node = "node_lost", None, node
+        out.detail = f"its {what} was killed ({how})"
+        out.t_fault = self.chaos.fault_time(None, node) or out.t_fault
+        out.t_detect = out.t_detect or time.time()
 
     def _classify(self, out: Outcome) -> None:
         if out.cause in ("hang", "preempted", "user_error") or out.cause.startswith("node"):
@@ -373,6 +408,8 @@ class Supervisor:
         finally:  # a job that wrote no snapshot (e.g. stopped in pre-flight) leaves no folder
             from wanka.train.run_lock import drop_owner_if_alone
 
+            if self._warm is not None:  # spare launchers of an attempt that never came
+                self._warm.close()
             drop_owner_if_alone(Path(self.rc.snapshot_dir) / self.job)
 
     def _run(self) -> int:
@@ -469,9 +506,9 @@ class Supervisor:
         t1 = out.t_detect or time.time()
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
                             node=out.node or self.node, detail=out.detail,
-                            injected=self.chaos.fault_time(out.rank) is not None)  # fmt: skip
+                            injected=self.chaos.fault_time(out.rank, out.node) is not None)  # fmt: skip
         node = out.node or self.node
-        injected = self.chaos.fault_time(out.rank) is not None
+        injected = self.chaos.fault_time(out.rank, out.node) is not None
         self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail,
                            injected=injected)  # fmt: skip
         reason = self.ledger.evaluate(node, self.policy)
