@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from wanka.resilience import chaos
 from wanka.resilience.chaos import ChaosDriver, parse_schedule
 from wanka.resilience.drill import injected_faults
 from wanka.resilience.heartbeat import Beat
@@ -27,6 +28,8 @@ class Nodes:
         self.calls: list[tuple] = []
 
     def kill_node(self, node: str) -> int:
+        if node == "n9":
+            raise ValueError("unknown node n9")
         self.calls.append(("kill", node))
         return 0
 
@@ -69,7 +72,8 @@ def test_link_cut_cuts_then_restores_and_marks_the_nodes_ranks_injected(tmp_path
     assert nodes.calls == []  # not due yet
     driver.poll(beats(2, {0: 1, 1: 2}), time.time(), 1, node_of=where)
     assert nodes.calls == [("link", "n1", False)]
-    assert driver.fault_time(1) is not None and driver.fault_time(0) is None
+    assert 1 in driver.fired_rank and 0 not in driver.fired_rank  # n1's ranks were hit
+    assert driver.fault_time(0) is not None  # but while the cut lasts, anything may follow
     [(kind, ev)] = tl.events
     assert (
         kind == "chaos" and ev["node"] == "n1" and ev["fault"] == "link_cut@step=3,node=1,for=0.3"
@@ -106,13 +110,57 @@ def test_link_cut_without_a_cluster_or_of_an_unknown_node_is_not_injected(tmp_pa
     assert "need a --cluster job" in err and "unknown node n9" in err
 
 
-def test_node_kill_on_a_cluster_takes_the_whole_node(tmp_path):
+def test_node_kill_on_a_cluster_takes_the_whole_node(tmp_path, monkeypatch):
     nodes, tl = Nodes(), Timeline()
     driver = ChaosDriver(parse_schedule("node_kill@step=1,node=1"), tmp_path, "job",
                          str(tmp_path / "snap"), tl)  # fmt: skip
     driver.cluster = nodes
     driver.poll(beats(0, {0: 1}), time.time(), 1, node_of=lambda r: "n0")  # rank 0 lives
     assert nodes.calls == [("kill", "n1")] and tl.events[0][1]["node"] == "n1"
+    t = tl.events[0][1]["t0"]
+    # What the node does next (lost at the restart, failing to start) is the fault's doing for
+    # a while, not the node's own fault; rank 0 on n0 was not hit.
+    assert t <= driver.fault_time(None, "n1") <= time.time()
+    assert driver.fault_time(None, "n0") is None and driver.fault_time(0, "n0") is None
+    later = time.time() + chaos.NODE_FAULT_AFTER_S + 1
+    monkeypatch.setattr(chaos.time, "time", lambda: later)
+    assert driver.fault_time(None, "n1") is None  # a real fault of n1, a minute later
+
+
+def test_node_kill_of_an_unknown_node_is_given_up_once(tmp_path, capsys):
+    nodes = Nodes()
+    driver = ChaosDriver(parse_schedule("node_kill@step=1,node=9"), tmp_path, "job",
+                         str(tmp_path / "snap"), Timeline())  # fmt: skip
+    driver.cluster = nodes
+    for _ in range(3):
+        driver.poll(beats(0, {0: 1}), time.time(), 1, node_of=lambda r: "n0")
+    assert driver.fired and nodes.calls == []
+    assert capsys.readouterr().err.count("not injected: unknown node n9") == 1
+
+
+def test_a_cut_link_makes_any_nodes_fault_injected_until_restored(tmp_path):
+    nodes = Nodes()
+    driver = ChaosDriver(parse_schedule("link_cut@step=1,node=0,for=0.2"), tmp_path, "job",
+                         str(tmp_path / "snap"), Timeline())  # fmt: skip
+    driver.cluster = nodes
+    driver.poll(beats(0, {0: 1, 1: 2}), time.time(), 1, node_of={0: "n0", 1: "n1"}.get)
+    # n0 holds the store: its cut makes n1 look lost, and n1's ranks look hung.
+    assert driver.fault_time(None, "n1") is not None and driver.fault_time(1, "n1") is not None
+    time.sleep(0.25)
+    driver.restore_due()  # between attempts, nobody polls
+    assert nodes.calls[-1] == ("link", "n0", True)
+    assert driver.fault_time(None, "n1") is None and driver.fault_time(None, "n0") is not None
+
+
+def test_sigterm_reaches_every_launcher_of_the_job(tmp_path):
+    import subprocess
+
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    driver = ChaosDriver(parse_schedule("sigterm@step=1"), tmp_path, "job", str(tmp_path / "snap"),
+                         Timeline(), job_pid=procs[0].pid)  # fmt: skip
+    driver.job_pids = [p.pid for p in procs]
+    driver.poll(beats(1, {0: 1}), time.time(), 1, node_of=lambda r: "n0")
+    assert [p.wait(timeout=5) for p in procs] == [-15, -15]
 
 
 def test_drill_rows_say_where_the_fault_struck_and_where_it_was_named(tmp_path):

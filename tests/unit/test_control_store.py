@@ -338,3 +338,34 @@ def test_a_host_whose_clock_lags_shows_no_false_hang(job, monkeypatch):
     f = c.check(real())
     assert (f.cause, f.rank, f.node) == ("hang", 2, "n2")
     assert abs(f.t_fault - (real() - 3.0)) < 1.0  # when it stalled, on the coordinator's clock
+
+
+def test_the_final_look_names_a_death_without_waiting_for_beats(job):
+    # The attempt ended (a launcher exited): no more beats will come; name it now.
+    c, agents, now = job
+    agents["n2"].publish_rank(3, record(3, "backward", now - 0.1), "n2", "gone")
+    assert c.check(now) is None
+    f = c.check(now, final=True)
+    assert (f.cause, f.rank, f.node) == ("process_crash", 3, "n2")
+
+
+def test_the_dead_ranks_own_node_need_not_beat_again(job):
+    # n2 reported its rank's death (so it was up); its agent may exit with its launcher.
+    c, agents, now = job
+    agents["n2"].publish_rank(3, record(3, "backward", now - 0.1), "n2", "gone")
+    assert c.check(now) is None
+    for _ in range(2):
+        agents["n1"].beat_agent("n1", 0.1)
+    assert (c.check(now).rank, c.check(now).node) == (3, "n2")
+
+
+def test_agents_of_nodes_outside_the_attempt_are_not_watched(job, server):
+    c, agents, now = job
+    spare = client(server)
+    spare.register_node("n3")  # a spare started ahead for a node evicted since: silent
+    spare.beat_agent("n3", 0.1)
+    c.nodes = {"n1", "n2"}
+    for t in (0.0, 6.0, 12.0):
+        for n, a in agents.items():
+            a.beat_agent(n, 0.1)
+        assert c.check(now + t) is None or c.check(now + t).node != "n3"

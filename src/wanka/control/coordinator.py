@@ -55,10 +55,14 @@ class ControlFault:
 
 class Coordinator:
     def __init__(self, store: ControlStore, world_size: int, timeouts: Timeouts,
-                 agent_timeout_s: float = 10.0, attempt: int | None = None) -> None:  # fmt: skip
+                 agent_timeout_s: float = 10.0, attempt: int | None = None,
+                 nodes: list[str] | None = None) -> None:  # fmt: skip
         """`attempt`: only heartbeats and exits of that attempt count (the store outlives
-        attempts; None: all). Set `.attempt` again when the next attempt starts."""
+        attempts; None: all). Set `.attempt` again when the next attempt starts. `nodes`: the
+        nodes of the attempt (None: every node registered); other agents (a spare started
+        ahead for a node evicted since) are not watched."""
         self.store, self.world_size, self.timeouts = store, world_size, timeouts
+        self.nodes = None if nodes is None else set(nodes)
         self.agent_timeout_s, self.attempt = agent_timeout_s, attempt
         self.monitor = HangMonitor(timeouts)
         # node -> (beat counter, when it last advanced on our clock, the agent's poll period)
@@ -68,11 +72,15 @@ class Coordinator:
         self._offset: dict[str, float] = {}
         self._counts_at_death: dict[str, int] | None = None  # agents' counters when first seen
 
-    def check(self, now: float | None = None) -> ControlFault | None:
-        """One look at the store; the fault to act on, or None."""
+    def check(self, now: float | None = None, final: bool = False) -> ControlFault | None:
+        """One look at the store; the fault to act on, or None. `final`: the attempt has ended
+        (a launcher exited): name a death without waiting for more beats (the supervisor tells
+        a node that went from its launcher's exit)."""
         now = time.time() if now is None else now
         agents = self.store.read_agents()
         for node in self.store.nodes():
+            if self.nodes is not None and node not in self.nodes:
+                continue
             beat = agents.get(node)
             count, poll_s = (beat.count, beat.poll_s) if beat else (0, 0.0)
             heard = self._heard.get(node)
@@ -95,7 +103,9 @@ class Coordinator:
         if died is None:
             self._counts_at_death = None
             return self._hung(ranks, now)
-        return died if self._every_node_beat_since(finished) else None
+        if final or self._every_node_beat_since(finished, died.node):
+            return died
+        return None
 
     def decide_stop(self, attempt: int, reason: str) -> dict:
         """Tell every agent to kill its ranks; returns the decision as written."""
@@ -126,10 +136,11 @@ class Coordinator:
             return self.agent_timeout_s
         return min(self.agent_timeout_s, max(self.timeouts.floor, *limits))
 
-    def _every_node_beat_since(self, finished: set[str]) -> bool:
-        """Every unfinished node's agent has beaten twice since a death was first seen, so its
-        node was up after it (one beat may have been written just before its host went)."""
-        counts = {n: c for n, (c, _, _) in self._heard.items() if n not in finished}
+    def _every_node_beat_since(self, finished: set[str], own: str | None) -> bool:
+        """Every other unfinished node's agent has beaten twice since a death was first seen,
+        so its node was up after it (one beat may have been written just before its host
+        went). The dead rank's own node reported the death: it was up."""
+        counts = {n: c for n, (c, _, _) in self._heard.items() if n not in finished and n != own}
         if self._counts_at_death is None:
             self._counts_at_death = counts
         seen = self._counts_at_death

@@ -51,6 +51,9 @@ FLOAT_PARAMS = ("for", "max_gb")  # every other parameter is an integer
 DISK_FULL_PARAMS = ("for", "steps", "keep_mb", "max_gb")
 DISK_FULL_FOR_S = 30.0  # how long the disk stays full when neither for= nor steps= says
 LINK_CUT_FOR_S = 30.0  # how long a cut link stays down when for= does not say
+# After a node_kill (or the end of a link cut) a node-level fault of that node within this long
+# is the injected fault's consequence (a restart that found the node still coming back).
+NODE_FAULT_AFTER_S = 60.0
 BALLAST = ".chaos-ballast"  # in RUN_DIR/checkpoints; never matches a checkpoint's name
 FILL_CAP_ENV = "WANKA_CHAOS_FILL_MAX_GB"
 FILL_CAP_GB = 4.0
@@ -152,10 +155,13 @@ class ChaosDriver:
                  timeline, job_pid: int | None = None) -> None:  # fmt: skip
         self.faults, self.run_dir, self.job = faults, Path(run_dir), job
         self.job_pid = job_pid or os.getpid()
+        self.job_pids: list[int] = []  # several (a cluster baseline's torchruns): all get SIGTERM
         self.snapshot_root, self.timeline = snapshot_root, timeline
         self.fired: dict[int, float] = {}  # fault id -> injection time
         self.fired_rank: dict[int, float] = {}  # rank -> last injection time hitting it
-        self.fired_node: dict[str, float] = {}  # node -> last node_kill / link_cut time
+        # node -> (time of its last node_kill / link_cut, until when what happens to it is the
+        # fault's doing: what follows a power loss or a cut, not the node's own fault)
+        self.node_faults: dict[str, tuple[float, float]] = {}
         self.sigterm_time: float | None = None
         self.t_start = time.time()
         self.marks = self.run_dir / "resilience" / "chaos"
@@ -201,11 +207,17 @@ class ChaosDriver:
         return any(f.kind == kind and f.rank == rank and f.id in self.fired for f in self.faults)
 
     def fault_time(self, rank: int | None, node: str | None = None) -> float | None:
-        """When the last injected fault hit this rank (else its node, for a node-level fault
-        named without a rank), or None: a fault not injected by us."""
-        if rank is not None:
-            return self.fired_rank.get(rank)
-        return self.fired_node.get(node) if node is not None else None
+        """When the injected fault whose consequence this is happened: the last one that hit the
+        rank, else one that hit its node within NODE_FAULT_AFTER_S (or a link cut still in
+        place, which can make any node look lost); None: a fault not injected by us."""
+        if rank is not None and rank in self.fired_rank:
+            return self.fired_rank[rank]
+        now = time.time()
+        if node in self.node_faults and now <= self.node_faults[node][1]:
+            return self.node_faults[node][0]
+        if self.cuts:  # a cut link (of n0 above all, the store's) makes any node look lost
+            return min(t0 for _, _, _, t0 in self.cuts.values())
+        return None
 
     def poll(self, beats: dict[int, Beat], now: float, attempt: int,
              node_of: Callable[[int], str | None] | None = None) -> None:  # fmt: skip
@@ -263,6 +275,15 @@ class ChaosDriver:
             node = f"n{f.params['node']}" if "node" in f.params else self._node_of(0)
             if node is None:
                 return False  # rank 0 has not said where it runs yet: try at the next poll
+            now = time.time()
+            if self.cluster is not None:  # every process of the node first, as a power loss:
+                try:  # its launcher must not see its ranks die and exit on its own
+                    self.cluster.kill_node(node)
+                except (ValueError, OSError) as e:  # e.g. no such node: never retried
+                    self.fired[f.id] = now
+                    print(f"wanka train: chaos {f.spec()} not injected: {e}", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    return False
             for b in beats.values():
                 if self._node_of(b.rank) != node:  # a rank of unknown node is not killed
                     continue
@@ -270,16 +291,15 @@ class ChaosDriver:
                     os.kill(b.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.fired_rank[b.rank] = time.time()
+                self.fired_rank[b.rank] = now
             drop_node(Path(self.snapshot_root), self.job, node)
-            self.fired_node[node] = time.time()
-            if self.cluster is not None:  # the node's agent and launcher go too, as in a power loss
-                self.cluster.kill_node(node)
+            self.node_faults[node] = (now, now + NODE_FAULT_AFTER_S)
         elif f.kind == "link_cut":
             return self._cut(f, beats)
         elif f.kind == "sigterm":
             self.sigterm_time = time.time()
-            os.kill(self.job_pid, signal.SIGTERM)  # the job gets the notice; it reaches the ranks
+            for pid in self.job_pids or [self.job_pid]:  # every node's launcher, on a cluster
+                os.kill(pid, signal.SIGTERM)  # the job gets the notice; it reaches the ranks
         elif f.kind == "disk_full":
             return self._fill(f, beats)
         else:
@@ -302,7 +322,7 @@ class ChaosDriver:
             return False
         now = time.time()
         self.cuts[f.id] = (node, now + f.params.get("for", LINK_CUT_FOR_S), f.spec(), now)
-        self.fired_node[node] = now
+        self.node_faults[node] = (now, float("inf"))  # until restored (_restore_links)
         for b in beats.values():  # what the cut makes of them is injected, not the node's fault
             if self._node_of(b.rank) == node:
                 self.fired_rank[b.rank] = now
@@ -320,6 +340,11 @@ class ChaosDriver:
                 except ValueError as e:  # the node was removed meanwhile: nothing to restore
                     print(f"wanka train: chaos: link of {node} not restored: {e}", file=sys.stderr)
                 self.timeline.event("chaos", t0, time.time(), fault=spec, released=True, node=node)
+                self.node_faults[node] = (t0, time.time() + NODE_FAULT_AFTER_S)
+
+    def restore_due(self) -> None:
+        """Restore the links whose cut is over (also between attempts, when nobody polls)."""
+        self._restore_links(time.time())
 
     # -- disk_full -----------------------------------------------------------------------------
     def _fill(self, f: Fault, beats: dict[int, Beat]) -> bool:

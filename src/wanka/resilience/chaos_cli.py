@@ -12,6 +12,10 @@ from wanka.resilience.drill import DEFAULT_SCHEDULE
 def _drill(a: argparse.Namespace) -> int:
     from wanka.resilience.drill import drill, format_drill
 
+    if a.cluster_state and not a.cluster:
+        raise ValueError(
+            "--cluster-state needs --cluster (run the drill across the cluster's nodes)"
+        )
     out = Path(a.out)
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
                    operator_timeout_s=a.operator_timeout,

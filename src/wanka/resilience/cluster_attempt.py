@@ -12,6 +12,7 @@ so a restart does not pay two interpreter starts and imports per node before its
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,11 +21,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from wanka.cluster import nodes as nd
 from wanka.cluster.launch import RDZV_PORT, torchrun_options
 from wanka.cluster.state import ClusterState, Node
+
+log = logging.getLogger("wanka.supervisor")
 
 # Start the next attempt's launchers once this attempt's ranks are training (not during their
 # start-up, whose imports and rendezvous they would slow on a busy host), or after this long.
@@ -61,11 +65,29 @@ class WarmLaunchers:
                 self.ready[attempt, node.name] = start_launcher(node, attempt, self.log_dir,
                                                                 self.launcher)  # fmt: skip
 
+    def retire(self, attempt: int, nodes: list[Node]) -> None:
+        """Let go of spares no one will use: older attempts', and this attempt's for nodes not
+        in it (evicted since they were started)."""
+        names = {n.name for n in nodes}
+        self._dismiss_all(
+            [k for k in self.ready if k[0] < attempt or (k[0] == attempt and k[1] not in names)]
+        )
+
+    def discard(self, node: str) -> None:
+        """A node-level fault was just named on `node`: its spare (its agent's store link, its
+        state) is not to be trusted; the next attempt starts a fresh one."""
+        self._dismiss_all([k for k in self.ready if k[1] == node])
+
+    def _dismiss_all(self, keys: list[tuple[int, str]]) -> None:
+        spares = [self.ready.pop(k) for k in keys]
+        for p in spares:  # stdin first for all, then wait: at most one grace, not one each
+            _close_stdin(p)
+        for p in spares:
+            _dismiss(p)
+
     def take(self, attempt: int, node: Node) -> subprocess.Popen:
         """This attempt's launcher for `node`: the warm one if it is still alive (a node_kill
-        takes it with the node), else a cold one. Older attempts' spares are let go."""
-        for key in [k for k in self.ready if k[0] < attempt]:
-            _dismiss(self.ready.pop(key))
+        takes it with the node), else a cold one."""
         p = self.ready.pop((attempt, node.name), None)
         if p is not None and p.poll() is None:
             return p
@@ -74,17 +96,22 @@ class WarmLaunchers:
         return start_launcher(node, attempt, self.log_dir, self.launcher)
 
     def close(self) -> None:
-        for p in self.ready.values():
-            _dismiss(p)
-        self.ready.clear()
+        self._dismiss_all(list(self.ready))
+
+
+def _close_stdin(p: subprocess.Popen) -> None:
+    try:
+        p.stdin.close()
+    except OSError:
+        pass
 
 
 def _dismiss(p: subprocess.Popen) -> None:
     """End a launcher that got no orders: closing its stdin makes it exit (and its agent)."""
     try:
-        p.stdin.close()
+        _close_stdin(p)
         p.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -101,39 +128,61 @@ def _give_orders(p: subprocess.Popen, orders: dict) -> bool:
         return False
 
 
+@dataclass
+class AttemptEnd:
+    codes: list[int]  # exit codes of the node launchers, in node order, after the teardown
+    failed: str | None  # the node that failed first (a killed launcher before one that exited)
+    own_code: int | None  # that node's launcher's code before we tore anything down, or None
+    t_failed: float | None  # when that was seen
+
+
+def _first_failure(procs: dict[str, subprocess.Popen]) -> tuple[str | None, int | None]:
+    """The node whose launcher failed on its own, as seen now: a launcher killed by a signal
+    (its node went) before one that exited non-zero (whose ranks may have died of that)."""
+    failed = [(n, p.returncode) for n, p in procs.items() if p.returncode not in (None, 0)]
+    if not failed:
+        return None, None
+    return min(failed, key=lambda nc: nc[1] >= 0)  # stable: node order among equals
+
+
 def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: list[str],
                 env: dict[str, str], attempt: int, stop: threading.Event,
                 preempt: threading.Event, log_dir=None, launcher=None,
                 warm: WarmLaunchers | None = None, start_method: str = "fork",
-                started: Callable[[], bool] | None = None,
-                ) -> tuple[list[int], str | None, int | None]:  # fmt: skip
-    """Returns (exit codes of the node launchers, name of the first node that failed, the exit
-    code that node's launcher had before anything was torn down from here, or None).
+                started: Callable[[], bool] | None = None) -> AttemptEnd:  # fmt: skip
+    """Runs one attempt on `nodes` until it ends, fails or is stopped.
     `stop`: tear down now (the monitor saw a fault); `preempt`: forward SIGTERM to every
     node's launcher (which passes it to the ranks) and give the last-gasp checkpoint time.
     `launcher` (resilience.control = "store"): wraps each node's launcher in its node agent
     (.command, .env) and tears a node down its own way (.kill). `warm`: where this attempt's
     launchers may already be waiting, and the next attempt's are started once `started()`
-    says the ranks are training."""
+    says the ranks are training (fork only: a spawning launcher gains nothing from its imports)."""
+    own_warm = warm is None
     warm = warm or WarmLaunchers(log_dir, launcher)
+    warm.retire(attempt, nodes)
     rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"
     port = RDZV_PORT + attempt % 50  # a torn-down store may still hold the last port briefly
     procs: dict[str, subprocess.Popen] = {}
-    for i, node in enumerate(nodes):
-        node_env = nd.node_env(node, dict(env))
-        if launcher is not None:  # e.g. the node's own heartbeat folder
-            node_env = launcher.env(node, node_env, attempt)
-        orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes),
-                  "argv": worker_argv, "env": node_env, "start_method": start_method}  # fmt: skip
-        p = warm.take(attempt, node)
-        if not _give_orders(p, orders):
-            _dismiss(p)
-            p = start_launcher(node, attempt, log_dir, launcher)
-            _give_orders(p, orders)
-        procs[node.name] = p
+    first_failed, own_code, t_failed = None, None, None
     t_start = time.monotonic()
-    first_failed, own_code = None, None
     try:
+        for i, node in enumerate(nodes):
+            node_env = nd.node_env(node, dict(env))
+            if launcher is not None:  # e.g. the node's own heartbeat folder
+                node_env = launcher.env(node, node_env, attempt)
+            orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes),
+                      "argv": worker_argv, "env": node_env, "start_method": start_method}  # fmt: skip
+            try:
+                p = warm.take(attempt, node)
+                if not _give_orders(p, orders):
+                    _dismiss(p)
+                    p = start_launcher(node, attempt, log_dir, launcher)
+                    _give_orders(p, orders)
+            except (OSError, ValueError) as e:  # the node cannot start anything: it failed
+                log.error("node %s: cannot start its launcher: %s", node.name, e)
+                return AttemptEnd([p.poll() or 0 for p in procs.values()] + [1], node.name, 1,
+                                  time.time())  # fmt: skip
+            procs[node.name] = p
         # Every launcher is polled each time (any() would stop at the first live one, and a
         # dead node's launcher would go unseen until the others ended).
         while not all([p.poll() is not None for p in procs.values()]):
@@ -145,25 +194,33 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
                     time.sleep(0.05)
                 break
-            failed = [n for n, p in procs.items() if p.returncode not in (None, 0)]
-            if failed or stop.is_set():
-                first_failed = failed[0] if failed else None
-                own_code = procs[first_failed].returncode if failed else None
+            first_failed, own_code = _first_failure(procs)
+            if first_failed is not None or stop.is_set():
                 break
-            if (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S:
-                warm.prepare(attempt + 1, nodes)
+            if start_method == "fork" and (
+                (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S
+            ):
+                try:
+                    warm.prepare(attempt + 1, nodes)
+                except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
+                    log.warning("could not start the next attempt's launchers: %s", e)
             time.sleep(0.05)
+        if first_failed is None and not stop.is_set() and not preempt.is_set():
+            first_failed, own_code = _first_failure(procs)  # all ended before a look
+        t_failed = time.time() if first_failed is not None else None
     finally:
         for name, p in procs.items():  # the whole process group: the launcher and its ranks
             if launcher is not None:
                 launcher.kill(name, p)
-            elif p.poll() is None:
+            else:  # even if the launcher is gone: its forked ranks share its group
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         for p in procs.values():
             p.wait()
+        if own_warm:
+            warm.close()
     if first_failed is None:
         first_failed = next((n for n, p in procs.items() if p.returncode), None)
-    return [p.returncode for p in procs.values()], first_failed, own_code
+    return AttemptEnd([p.returncode for p in procs.values()], first_failed, own_code, t_failed)

@@ -102,11 +102,14 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
                 from wanka.cluster.nodes import NodeActions
 
                 driver.cluster = NodeActions(cluster_state or None)
-        driver.job_pid = procs[0].pid
+        driver.job_pid, driver.job_pids = procs[0].pid, [p.pid for p in procs]
         try:
             stalled = _drive(procs, driver, hb_dir, operator_timeout_s, timeline)
             codes = [p.wait() for p in procs]
             rc = next((c for c in codes if c), 0)
+            # A torchrun killed by a signal (its node went): the job is broken; the operator
+            # resubmits it (had the other nodes' torchruns waited, the operator's timeout would).
+            stalled = stalled or (any(c < 0 for c in codes) and not _summary(run_dir))
         finally:
             driver.close()  # a full disk never outlives the job that was to suffer it
             _kill_ranks(hb_dir)  # a submission leaves no rank behind, however it ended

@@ -25,6 +25,7 @@ import sys
 
 # Handled by the elastic agent while it runs, as torchrun does: SIGTERM reaches the ranks.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+BAD_ORDERS = 70  # EX_SOFTWARE: not the ranks' 2 (an input error) nor 75 (stopped on request)
 
 
 def read_orders(stream) -> dict | None:
@@ -75,7 +76,7 @@ def main() -> int:
         orders = read_orders(sys.stdin)
     except (ValueError, json.JSONDecodeError) as e:
         print(f"wanka node launcher: {e}", file=sys.stderr)
-        return 2
+        return BAD_ORDERS
     if orders is None:
         return 0
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the elastic agent installs its own

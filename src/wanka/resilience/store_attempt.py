@@ -114,7 +114,7 @@ class StoreControl:
         self.nodes = [n.name for n in nodes]
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
-                                       AGENT_TIMEOUT_S, attempt=attempt)  # fmt: skip
+                                       AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes)  # fmt: skip
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name), ignore_errors=True)
 
@@ -143,7 +143,7 @@ class StoreControl:
         while True:
             last = stop.wait(0.05)  # a last look after the attempt ended: a node's torchrun
             try:  # may exit on a crash before the coordinator named it
-                if self._poll(attempt, out, flagged) or last:
+                if self._poll(attempt, out, flagged, final=last) or last:
                     return
             except ConnectionError as e:
                 log.error("control store: %s", e)
@@ -152,7 +152,7 @@ class StoreControl:
             if last:
                 return
 
-    def _poll(self, attempt: int, out, flagged: dict[int, set[int]]) -> bool:
+    def _poll(self, attempt: int, out, flagged: dict[int, set[int]], final: bool = False) -> bool:
         sup, now = self.sup, time.time()
         reports = {r: rep for r, rep in self.store.read_ranks(self.world).items()
                    if rep.beat.attempt == attempt}  # fmt: skip
@@ -161,7 +161,7 @@ class StoreControl:
         # Chaos signals the ranks by pid: the cluster-in-a-box's nodes share one pid space.
         sup.chaos.poll(beats, now, attempt, node_of=lambda r: getattr(reports.get(r), "node", None))
         sup.note_stragglers(beats, lambda r: reports[r].node, now, flagged)
-        fault = self.coordinator.check(now)
+        fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False
         out.cause, out.rank, out.node, out.detail = (
@@ -180,13 +180,6 @@ class StoreControl:
         timer.start()
         return True
 
-    @staticmethod
-    def where(out) -> str:
-        """ "rank R on node N: " (or "node N: ") for the supervisor's line about a fault."""
-        if out.node is None:
-            return ""
-        return f"node {out.node}: " if out.rank is None else f"rank {out.rank} on node {out.node}: "
-
     def exit_marks(self) -> dict[int, tuple[int, str]]:
         """Rank -> (exit code, message) of the ranks that exited on purpose this attempt."""
         if self.store is None:
@@ -204,3 +197,10 @@ class StoreControl:
                 if code is not None:
                     marks[rank] = (code, exit_message(folder, rank) or "")
         return marks
+
+
+def where(out) -> str:
+    """ "rank R on node N: " (or "node N: ") for the supervisor's line about a fault."""
+    if out.node is None:
+        return ""
+    return f"node {out.node}: " if out.rank is None else f"rank {out.rank} on node {out.node}: "

@@ -158,6 +158,12 @@ class Supervisor:
             from wanka.cluster.nodes import NodeActions
 
             self.chaos.cluster = NodeActions(cluster_state or None)
+            if any(f.kind == "link_cut" for f in self.chaos.faults):
+                for n in self.cluster.nodes:  # a drill killed during a cut left a link down
+                    try:
+                        self.chaos.cluster.set_link(n.name, True)
+                    except ValueError:
+                        pass  # no link to restore (node removed): its start says so
         self.control = None  # resilience.control = "store": resilience/store_attempt.py
         if self.rc.control == "store" and self.cluster is not None:
             from wanka.resilience.store_attempt import StoreControl
@@ -205,6 +211,7 @@ class Supervisor:
                "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
                "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
         out = Outcome("success")
+        self.chaos.restore_due()  # a cut that ended between attempts, before the first poll
         self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
         stop = threading.Event()
         if self.control is not None:
@@ -298,17 +305,17 @@ class Supervisor:
             self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
         # Ranks fork from the warm launcher; CUDA/NPU state does not survive a fork.
         fork = resolve_device_type(self.cfg.run.device) == "cpu"
-        codes, failed, own_code = run_attempt(self.cluster, self.active_nodes(), self.nproc,
-                                              self.worker_argv, env, attempt, stop, self._preempt,
-                                              self.run_dir / "logs", launcher=self.control,
-                                              warm=self._warm,
-                                              start_method="fork" if fork else "spawn",
-                                              started=lambda: out.max_step >= 0)  # fmt: skip
-        if any(codes):
-            out.codes = [c for c in codes if c]
-            out.node = out.node or failed
-            if own_code is not None and own_code < 0:  # the node's launcher itself was killed
-                out.launcher_killed = (failed, own_code)
+        end = run_attempt(self.cluster, self.active_nodes(), self.nproc, self.worker_argv, env,
+                          attempt, stop, self._preempt, self.run_dir / "logs",
+                          launcher=self.control, warm=self._warm,
+                          start_method="fork" if fork else "spawn",
+                          started=lambda: out.max_step >= 0)  # fmt: skip
+        if any(end.codes):
+            out.codes = [c for c in end.codes if c]
+            out.node = out.node or end.failed
+            if end.own_code is not None and end.own_code < 0:  # the node's launcher was killed
+                out.launcher_killed = (end.failed, end.own_code)
+                out.t_detect = out.t_detect or end.t_failed
 
     def _node_lost(self, out: Outcome) -> None:
         """A node's launcher (its agent in store mode, its torchrun otherwise) killed by a
@@ -321,11 +328,13 @@ class Supervisor:
             how = signal.Signals(-code).name
         except ValueError:
             how = f"signal {-code}"
-        what = "agent" if self.control is not None else "torchrun"
+        what = "agent" if self.control is not None else "node launcher"
         out.cause, out.rank, out.node = "node_lost", None, node
         out.detail = f"its {what} was killed ({how})"
         out.t_fault = self.chaos.fault_time(None, node) or out.t_fault
         out.t_detect = out.t_detect or time.time()
+        if self._warm is not None:  # its spare may hold a broken store link, or be gone
+            self._warm.discard(node)
 
     def _classify(self, out: Outcome) -> None:
         if out.cause in ("hang", "preempted", "user_error") or out.cause.startswith("node"):
@@ -479,7 +488,11 @@ class Supervisor:
                 else ""
             )
             # With the control store the fault's node is known for sure: say it first.
-            at = self.control.where(out) if self.control is not None else ""
+            at = ""
+            if self.control is not None or out.cause == "node_lost":
+                from wanka.resilience.store_attempt import where
+
+                at = where(out)
             print(f"{self.says} {at}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)

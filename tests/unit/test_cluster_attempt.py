@@ -1,0 +1,192 @@
+"""resilience/cluster_attempt.py without namespaces: each node's launcher is a local stand-in
+process that reads its orders and then does what the test says (exit with a code, wait to be
+killed), so the attempt's bookkeeping is tested on real processes: which node failed first and
+with what, warm spares taken, retired and dismissed, every launcher torn down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from wanka.cluster.state import ClusterState, Node
+from wanka.resilience import cluster_attempt as ca
+
+NODES = [Node(f"n{i}", f"ns{i}", f"h{i}", f"v{i}", f"10.9.0.{i + 1}") for i in range(2)]
+STATE = ClusterState("t", "10.9.0.0/24", "br", 1.0, None, list(NODES))
+
+# A stand-in launcher: its orders' argv[0] says what to do once they arrive.
+STAND_IN = """
+import json, os, sys, time
+orders = sys.stdin.readline()
+if not orders.strip():
+    sys.exit(0)
+what = json.loads(orders)["argv"][0]
+with open(os.environ["ORDERS_LOG"], "a") as f:
+    f.write(f"{os.getpid()} {what}\\n")
+if what.startswith("exit"):
+    time.sleep(float(what.split(":")[2]))
+    sys.exit(int(what.split(":")[1]))
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def stand_ins(monkeypatch, tmp_path):
+    """start_launcher replaced by a local process; argv per node from `plan`."""
+    started: list[tuple[str, int, subprocess.Popen]] = []
+    log = tmp_path / "orders.log"
+    monkeypatch.setenv("ORDERS_LOG", str(log))
+
+    def start(node, attempt, log_dir, launcher=None):
+        p = subprocess.Popen([sys.executable, "-c", STAND_IN], stdin=subprocess.PIPE,
+                             start_new_session=True)  # fmt: skip
+        started.append((node.name, attempt, p))
+        return p
+
+    monkeypatch.setattr(ca, "start_launcher", start)
+    yield started, log
+    for _, _, p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def attempt(plan: dict[str, str], warm=None, stop=None, started=None, attempt_no=1):
+    """Run one attempt where node n gets orders argv [plan[n]] (a per-node argv is the test's
+    way to tell stand-ins apart: run_attempt gives every node the same worker argv)."""
+    orders_for = {}
+    real_take = (warm or ca.WarmLaunchers(None)).take
+
+    def take(a, node):
+        orders_for[node.name] = plan[node.name]
+        return real_take(a, node)
+
+    w = warm or ca.WarmLaunchers(None)
+    w.take = take
+    real_give = ca._give_orders
+
+    def give(p, orders):
+        node = next(n for n, q in orders_for.items() if q is not None)
+        orders_for[node] = None
+        return real_give(p, {**orders, "argv": [plan[node]]})
+
+    ca._give_orders = give
+    try:
+        return ca.run_attempt(STATE, NODES, 1, ["train"], {}, attempt_no, stop or threading.Event(),
+                              threading.Event(), warm=w, started=started)  # fmt: skip
+    finally:
+        ca._give_orders = real_give
+
+
+def test_a_killed_launcher_is_the_failed_node_and_its_peer_is_torn_down(stand_ins):
+    started, log = stand_ins
+    kill_n1 = threading.Thread(target=lambda: _kill_when_ready(started, "n1", log))
+    kill_n1.start()
+    # n0 would exit 1 (its rank lost its peer) just after n1's launcher is killed.
+    end = attempt({"n0": "exit:1:0.6", "n1": "wait"})
+    kill_n1.join()
+    assert end.failed == "n1" and end.own_code == -signal.SIGKILL and end.t_failed is not None
+    assert end.codes == [-signal.SIGKILL, -signal.SIGKILL]  # n0 torn down from here
+    assert all(p.poll() is not None for _, _, p in started)
+
+
+@pytest.mark.parametrize(
+    ("codes", "first"),
+    [
+        ({"n0": 1, "n1": -9}, ("n1", -9)),  # the killed one, though n0 comes first
+        ({"n0": -9, "n1": -15}, ("n0", -9)),  # node order among killed ones
+        ({"n0": None, "n1": 1}, ("n1", 1)),
+        ({"n0": 0, "n1": None}, (None, None)),
+    ],
+)
+def test_first_failure_prefers_a_killed_launcher(codes, first):
+    from types import SimpleNamespace
+
+    procs = {n: SimpleNamespace(returncode=c) for n, c in codes.items()}
+    assert ca._first_failure(procs) == first
+
+
+def test_a_clean_end_names_nobody_and_every_launcher_is_gone(stand_ins):
+    started, _ = stand_ins
+    end = attempt({"n0": "exit:0:0.1", "n1": "exit:0:0.2"})
+    assert end.codes == [0, 0] and end.failed is None and end.own_code is None
+    assert all(p.poll() is not None for _, _, p in started)
+
+
+def test_a_stop_tears_down_without_naming_a_node(stand_ins):
+    started, _ = stand_ins
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    end = attempt({"n0": "wait", "n1": "wait"}, stop=stop)
+    assert end.own_code is None and all(c == -signal.SIGKILL for c in end.codes)
+    assert all(p.poll() is not None for _, _, p in started)
+
+
+def test_warm_spares_are_used_retired_and_dismissed(stand_ins):
+    started, _ = stand_ins
+    warm = ca.WarmLaunchers(None)
+    warm.prepare(2, NODES)
+    spares = {name: p for name, _, p in started}
+    end = attempt({"n0": "exit:0:0.1", "n1": "exit:0:0.1"}, warm=warm, attempt_no=2)
+    assert end.codes == [0, 0]
+    assert len(started) == 2  # the spares took the orders: no cold launcher was started
+    # Spares of an attempt a node is no longer in, and of older attempts, are let go.
+    warm.prepare(3, NODES)
+    warm.retire(3, NODES[:1])
+    gone = [p for name, a, p in started if a == 3 and name == "n1"]
+    assert gone and gone[0].poll() == 0  # dismissed by EOF: exited on its own
+    warm.discard("n0")
+    assert not warm.ready and all(p.poll() is not None for _, _, p in started)
+    assert all(p.poll() == 0 for p in spares.values())
+
+
+def test_a_dead_spare_is_replaced_by_a_cold_launcher(stand_ins):
+    started, _ = stand_ins
+    warm = ca.WarmLaunchers(None)
+    warm.prepare(2, NODES)
+    n1_spare = next(p for name, _, p in started if name == "n1")
+    os.killpg(n1_spare.pid, signal.SIGKILL)  # a node_kill took it with its node
+    n1_spare.wait()
+    end = attempt({"n0": "exit:0:0.1", "n1": "exit:0:0.1"}, warm=warm, attempt_no=2)
+    assert end.codes == [0, 0] and len(started) == 3
+
+
+def test_the_next_attempts_launchers_start_once_the_ranks_train(stand_ins):
+    started, _ = stand_ins
+    warm = ca.WarmLaunchers(None)
+    end = attempt({"n0": "exit:0:0.5", "n1": "exit:0:0.5"}, warm=warm, started=lambda: True)
+    assert end.codes == [0, 0]
+    assert sorted(warm.ready) == [(2, "n0"), (2, "n1")]
+    warm.close()
+    assert not warm.ready
+
+
+def _kill_when_ready(started, node: str, log) -> None:
+    """SIGKILL `node`'s launcher once it has its orders (as a node_kill would, mid-attempt)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = log.read_text().splitlines() if log.exists() else []
+        pids = {int(x.split()[0]) for x in lines if x.endswith("wait")}
+        mine = [p for name, _, p in started if name == node and p.pid in pids]
+        if mine:
+            time.sleep(0.3)
+            os.kill(mine[0].pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{node}'s launcher never got its orders")
+
+
+def test_orders_are_one_json_line(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import sys; print(sys.stdin.read(), end='')"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert ca._give_orders(p, {"argv": ["a"], "env": {"K": "v"}})
+    out = p.stdout.read().decode()
+    p.wait()
+    assert out.endswith("\n") and json.loads(out) == {"argv": ["a"], "env": {"K": "v"}}
