@@ -289,16 +289,39 @@ def serve(sock: socket.socket, buf, kernels: dict[str, Callable], spec: dict, pe
 
 
 def _fix_malloc() -> None:
-    """glibc adapts its mmap threshold to the largest block freed so far, so a server that
-    once freed a big tensor allocates later ones without page faults and looks faster. Fixed
-    thresholds (as a long-running training process reaches) make every server alike."""
+    """glibc adapts its mmap threshold to the largest block freed so far, and grows and
+    trims its heap with the process's history, so a server whose heap happens to be large
+    allocates without page faults and looks faster (identical code measured 13 to 40 ms per
+    call in two servers, up to 1.6x apart). Fixed thresholds and a heap that is never
+    trimmed, as a long-running training process reaches, make every server alike."""
     import ctypes
 
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (blocks above it are mmapped: alike)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep what the heap has touched
     except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _warm_heap(pool_bytes: int = 256 << 20) -> None:
+    """Touch a pool of heap once, in the process that runs the kernels (after the sandbox's
+    fork: pages inherited from a parent would fault again, copied on write), so calls that
+    allocate below the mmap threshold see no page faults however the heap grew before."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        chunk = 8 << 20  # below the mmap threshold: served from (and returned to) the heap
+        blocks = [libc.malloc(chunk) for _ in range(pool_bytes // chunk)]
+        for b in blocks:
+            if b:
+                ctypes.memset(b, 0, chunk)
+        for b in blocks:
+            if b:
+                libc.free(b)
+    except (OSError, AttributeError):
         pass
 
 
@@ -363,6 +386,8 @@ def start(sock: socket.socket, spec: dict) -> None:
         _limit(spec)
         _send(sock, {"pid": os.getpid()})
         isolation = {"sandbox": False}
+    if device == "cpu":
+        _warm_heap()  # before the lockdown, which denies ctypes
     _lockdown(jobdir, compilers=device == "cuda")
     peaks = measure_peaks(device)  # in every server: the same allocator and library state
     for name, text in untrusted.items():
