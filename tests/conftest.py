@@ -17,13 +17,17 @@ def _seed():
 
 
 # Tests that measure time or CPU, or use machine-wide state (the cluster's namespaces, a
-# whole-job supervisor, /dev/shm limits): `make test` runs them one at a time, after the rest
-# ran two at a time (pytest-xdist), so that a neighbour's load never decides their outcome.
-SERIAL_DIRS = {"cluster", "integration", "lab_redteam"}
+# whole-job supervisor with injected faults, /dev/shm limits): `make test` runs them one at a
+# time, after the rest ran two at a time (pytest-xdist), so that a neighbour's load never
+# decides their outcome. The other CLI tests (train, generate, export) run two at a time.
+SERIAL_DIRS = {"cluster", "lab_redteam"}
 SERIAL_FILES = {
+    "test_resilience_cli.py", "test_run_dir_safety.py", "test_disk_full.py", "test_post_cli.py",
+    "test_lab_cli.py", "test_bench_cp_cli.py", "integration/test_bench_post.py",
+    "test_fuzz_inputs.py",
     "test_bench.py", "test_bench_comm.py", "test_bench_cp.py", "test_bench_moe.py",
     "test_bench_ops.py", "test_bench_variants.py", "test_chaos_disk.py", "test_drill_cleanup.py",
-    "test_gpu_bench_script.py", "test_gpu_train_smoke.py", "test_hang_grace.py",
+    "test_gpu_train_smoke.py", "test_hang_grace.py",
     "test_lab_cheats.py", "test_lab_evaluator.py", "test_lab_integrity.py", "test_lab_llm.py",
     "test_lab_redteam.py", "test_lab_sandbox.py", "test_lab_search.py",
     "test_lab_store_report.py", "test_memory_estimate.py", "test_resilience.py",
@@ -35,5 +39,6 @@ TESTS = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = item.path.resolve().relative_to(TESTS)
-        if SERIAL_DIRS.intersection(rel.parts[:-1]) or rel.name in SERIAL_FILES:
+        named = rel.name in SERIAL_FILES or "/".join(rel.parts[-2:]) in SERIAL_FILES
+        if SERIAL_DIRS.intersection(rel.parts[:-1]) or named:
             item.add_marker(pytest.mark.serial)

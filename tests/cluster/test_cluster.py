@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,8 @@ else:
 def leftovers(name: str) -> list[str]:
     ns, links = testbed._leftovers(name)
     qd = [x["ifname"] for x in nx.links() if x["ifname"].startswith(name) and "tbf" in x["qdisc"]]
-    return ns + links + qd
+    memory = [str(p) for p in [Path(nd.NODES_SHM) / name] if p.exists()]  # the nodes' memory
+    return ns + links + qd + memory
 
 
 def transfer_seconds(c, src: str, dst: str, nbytes: int, dst_addr: str | None = None) -> float:
@@ -217,3 +219,40 @@ def test_bench_net_quick_matches_link():
     by = {(r["op"], r["scope"]): r["busbw_gbit"] for r in res["rows"]}
     assert 0.75 < by[("all_reduce", "inter")] < 1.1
     assert by[("all_reduce", "intra")] > 2 * by[("all_reduce", "inter")]
+
+
+# Writes a marker into the node's /dev/shm and run-state folder, then lists both and the host's.
+MEMORY = """
+import os, sys
+from pathlib import Path
+name = sys.argv[1]
+for d in ("/dev/shm", sys.argv[2]):
+    Path(d, f"mark-{name}").write_text(name)
+print(sorted(os.listdir("/dev/shm")), sorted(os.listdir(sys.argv[2])))
+"""
+
+
+def test_each_node_has_its_own_memory(wanka_cluster):
+    """A node's /dev/shm and run-state folder are its own: another node cannot see them (only
+    the network passes data between nodes), the host's /dev/shm is not them, and a node_kill
+    empties them as a power loss would; the host keeps its own."""
+    from wanka.cluster.state import NODE_LOCAL
+
+    c = wanka_cluster
+    host_shm = set(os.listdir("/dev/shm"))
+    seen = {}
+    for n in ("n0", "n1"):
+        r = c.run(n, [sys.executable, "-c", MEMORY, n, NODE_LOCAL])
+        assert r.returncode == 0, r.stderr
+        seen[n] = r.stdout.strip()
+    assert seen["n0"] == "['mark-n0'] ['mark-n0']" and seen["n1"] == "['mark-n1'] ['mark-n1']"
+    assert set(os.listdir("/dev/shm")) == host_shm  # nothing landed in the host's
+    assert not Path(NODE_LOCAL, "mark-n0").exists()
+    # The environment says which host a process is on (NCCL's intra-node transports use it).
+    r = c.run("n1", [sys.executable, "-c", "import os; print(os.environ['NCCL_HOSTID'])"])
+    assert r.stdout.strip() == "n1"
+    c.kill_node("n1")
+    r = c.run("n1", [sys.executable, "-c", MEMORY, "again", NODE_LOCAL])
+    assert r.stdout.strip() == "['mark-again'] ['mark-again']", r.stderr
+    r = c.run("n0", [sys.executable, "-c", MEMORY, "n0", NODE_LOCAL])
+    assert r.stdout.strip() == "['mark-n0'] ['mark-n0']", r.stderr  # n0's memory untouched

@@ -1,6 +1,8 @@
 """resilience.control = "store" on the cluster-in-a-box: the supervisor learns of its ranks only
 through the control store (node agents inside the node namespaces, each reading its own node's
-heartbeat folder), names a remote fault with its rank and node, and the job recovers."""
+heartbeat folder), names a remote fault with its rank and node, and the job recovers. Each
+node's /dev/shm and run-state folder are its own (the snapshots too): what a node needs from
+another comes over the network."""
 
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ STEPS = 6
 
 
 def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str):
-    run = tmp_path / name
+    run = tmp_path / name  # snapshots: the default /dev/shm/wanka, each node's own
     sets = ["data.seq_len=64", "train.micro_batch_size=2", f"train.steps={STEPS}",
             "train.warmup_steps=2", "model.index_topk=16", "train.eval_every=1000",
             "data.val_batches=1", "parallel.ep=1", "checkpoint.every=1000",
             "run.tensorboard=false", f'run.dir="{run}"', 'resilience.control="store"',
             f'resilience.ledger="{tmp_path / "faults.sqlite"}"', "resilience.preflight=\"off\"",
-            f'resilience.snapshot_dir="{tmp_path / "shm"}"', *extra]  # fmt: skip
+            *extra]  # fmt: skip
     argv = [sys.executable, "-m", "wanka.cli", "train", "configs/demo.toml", "--cluster",
             "--nproc", "1", "--cluster-state", cluster.state_dir,
             *(["--chaos", chaos] if chaos else []), *sum((["--set", s] for s in sets), [])]  # fmt: skip
@@ -42,12 +44,21 @@ def fault_line(stderr: str, cause: str) -> re.Match:
     return m
 
 
-def node_of_rank(run: Path, rank: int, attempt: int) -> str:
-    """Where the rank ran, from its own file in its node's private heartbeat folder."""
-    found = [p.parent.parent.name for p in
-             (run / "resilience" / "nodes").glob(f"*/attempt{attempt}/rank{rank}.node")]  # fmt: skip
+def node_of_rank(cluster, rank: int, attempt: int) -> str:
+    """Where the rank ran, from its own file in its node's private heartbeat folder (looked at
+    from the host: NODE_LOCAL/JOB/NODE/attemptN inside the node)."""
+    found = [n.name for n in cluster.state.nodes
+             if list(Path(n.root, "local").glob(f"*/{n.name}/attempt{attempt}/rank{rank}.node"))]  # fmt: skip
     assert len(found) == 1, found
     return found[0]
+
+
+def resumed_from_snapshot(run: Path) -> list[str]:
+    return [
+        p.name
+        for p in (run / "logs").glob("rank*.log")
+        if "resumed from the in-memory snapshot of step" in p.read_text(errors="replace")
+    ]
 
 
 def ledger_fault(tmp_path: Path) -> Fault:
@@ -66,12 +77,15 @@ def test_killed_rank_is_named_with_its_node_and_the_job_recovers(wanka_cluster, 
     r, run, summary = train(wanka_cluster, tmp_path, "run", "kill@step=3,rank=1")
     m = fault_line(r.stderr, "process_crash")
     assert m.group(1) == "1" and "died in" in m.group(3)
-    assert m.group(2) == node_of_rank(run, 1, attempt=1)
+    assert m.group(2) == node_of_rank(wanka_cluster, 1, attempt=1)
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("process_crash", 1, m.group(2))
     assert summary["state_digest"] == reference["state_digest"]
-    # The shared folder of the default mode stayed empty: every rank wrote to its node's own.
+    assert len(resumed_from_snapshot(run)) == 2
+    # Nothing went through the shared filesystem: the default mode's folder stayed empty, and
+    # no heartbeat landed in the run directory; every rank wrote to its node's own memory.
     assert not list((run / "resilience" / "hb").glob("rank*.hb"))
+    assert not list(run.rglob("rank*.hb")) and not list(run.rglob("rank*.node"))
 
 
 @pytest.mark.slow  # the hang limit is waited out; the crash case covers the wiring in CI
@@ -80,7 +94,7 @@ def test_stopped_rank_is_a_hang_named_with_its_node(wanka_cluster, tmp_path, ref
                             "resilience.hang_floor_s=3.0")  # fmt: skip
     m = fault_line(r.stderr, "hang")
     assert m.group(1) == "0" and "stopped (SIGSTOP)" in m.group(3)
-    assert m.group(2) == node_of_rank(run, 0, attempt=1)
+    assert m.group(2) == node_of_rank(wanka_cluster, 0, attempt=1)
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("hang", 0, m.group(2))
     assert summary["state_digest"] == reference["state_digest"]
@@ -99,3 +113,6 @@ def test_a_killed_node_is_named_node_lost_not_its_peers_crash(wanka_cluster, tmp
     strict = EvictionPolicy(max_faults=1, window_s=3600, same_cause=1)
     assert FaultLedger(str(tmp_path / "faults.sqlite")).evaluate("n1", strict) is None
     assert summary["state_digest"] == reference["state_digest"]
+    # n1's memory went with it (its snapshot too): its rank got its state back from the copy
+    # on n0, over the network, and resumed from the snapshot like n0's rank.
+    assert len(resumed_from_snapshot(run)) == 2

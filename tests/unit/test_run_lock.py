@@ -208,3 +208,19 @@ def test_finished_job_leaves_no_snapshot_folder(tmp_path):
     assert (tmp_path / "job" / OWNER).is_file()
     store.close(discard=True)
     assert list(tmp_path.iterdir()) == []  # the owner record went with the last rank
+
+
+def test_ranks_write_the_owner_record_where_their_node_has_none(tmp_path):
+    """On another host (a node whose /dev/shm is its own) the supervisor's record is absent: the
+    snapshot store writes one, so the sweep and `wanka clean` know the folder's run directory.
+    It never replaces the supervisor's."""
+    from wanka.resilience.snapshot import SnapshotStore
+
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    store = SnapshotStore(shm, "job1", "n1", 0, 1, 1, True, "sig", run_dir=run)
+    store.close(discard=False)
+    [folder] = snapshot_folders(shm)
+    assert folder.run_dir == str(run.resolve())
+    write_owner(shm, "job2", tmp_path / "elsewhere")
+    SnapshotStore(shm, "job2", "n1", 0, 1, 1, True, "sig", run_dir=run).close(discard=False)
+    assert json.loads((shm / "job2" / "job.json").read_text())["run_dir"].endswith("elsewhere")

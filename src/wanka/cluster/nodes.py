@@ -1,15 +1,29 @@
 """Per-node actions: run a command inside a node, kill a node (every process in its namespace
-at once, like losing power), cut and restore its link, and bring a node back."""
+at once, like losing power: its memory goes too), cut and restore its link, and bring a node
+back.
+
+A node shares the host's filesystem (run directories and DCP checkpoints are on shared
+storage, as on a real cluster) but not its memory: each command runs in a mount namespace
+where /dev/shm and NODE_LOCAL are the node's own folders and the other nodes' are hidden, so
+nothing passes between nodes through memory-backed files; only the network carries it."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 from wanka.cluster import netns as nx
-from wanka.cluster.state import ClusterState, Node, require, save
+from wanka.cluster.state import NODE_LOCAL, ClusterState, Node, require, save
+
+# Every node's memory lives on the host's /dev/shm (tmpfs) under NODES_SHM/<cluster>/<node>.
+# Run by `ip netns exec` (which already gives the command a mount namespace of its own, a slave
+# of the host's: nothing mounted here shows outside): the node's run-state folder, then its
+# /dev/shm, which also covers the host's, so no node sees another's; then the command itself.
+NODES_SHM = "/dev/shm/wanka-nodes"
+_PRIVATE = 'mount --bind "$1/local" "$2" && mount --bind "$1/shm" /dev/shm && shift 2 && exec "$@"'
 
 
 def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -19,11 +33,32 @@ def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
     env.update(WANKA_NODE=node.name, WANKA_NODE_ADDR=node.addr, GLOO_SOCKET_IFNAME=node.veth_node,
                TP_SOCKET_IFNAME=node.veth_node)  # fmt: skip
     env.setdefault("OMP_NUM_THREADS", "1")
+    if node.root:  # NCCL tells hosts apart by this (else by hostname, which all nodes share)
+        env["NCCL_HOSTID"] = node.name
     return env
 
 
 def exec_argv(node: Node, cmd: list[str]) -> list[str]:
-    return ["ip", "netns", "exec", node.netns, *cmd]
+    if not node.root:
+        return ["ip", "netns", "exec", node.netns, *cmd]
+    return ["ip", "netns", "exec", node.netns, "sh", "-c", _PRIVATE, "wanka-node", node.root,
+            NODE_LOCAL, *cmd]  # fmt: skip
+
+
+def make_private(node: Node) -> None:
+    """The node's memory folders on the host, and the mount point of NODE_LOCAL."""
+    if node.root:
+        for sub in ("shm", "local"):
+            (Path(node.root) / sub).mkdir(parents=True, exist_ok=True, mode=0o1777)
+        Path(NODE_LOCAL).mkdir(parents=True, exist_ok=True)
+
+
+def wipe(node: Node) -> None:
+    """What a power loss does to the node's memory: /dev/shm and NODE_LOCAL are empty."""
+    if node.root:
+        for sub in ("shm", "local"):
+            shutil.rmtree(Path(node.root) / sub, ignore_errors=True)
+        make_private(node)
 
 
 def popen(node: Node, cmd: list[str], **kw) -> subprocess.Popen:
@@ -41,9 +76,12 @@ def run(st: ClusterState, node: str, cmd: list[str], **kw) -> int:
 
 
 def kill_node(st: ClusterState, node: str) -> int:
-    """SIGKILL all of the node's processes at once; the namespace stays for a relaunch."""
+    """SIGKILL all of the node's processes at once and empty its memory; the namespace stays
+    for a relaunch."""
     n = st.node(node)
-    return nx.kill_netns_pids(n.netns) if n.netns in nx.netns_list() else 0
+    killed = nx.kill_netns_pids(n.netns) if n.netns in nx.netns_list() else 0
+    wipe(n)
+    return killed
 
 
 def set_link(st: ClusterState, node: str, up: bool) -> None:
@@ -80,6 +118,8 @@ def remove_node(st: ClusterState, node: str) -> None:
         nx.kill_netns_pids(n.netns)
         nx.sh("ip", "netns", "del", n.netns)
     nx.wait_gone([n.veth_host])
+    if n.root:
+        shutil.rmtree(n.root, ignore_errors=True)
 
 
 class NodeActions:

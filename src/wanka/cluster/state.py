@@ -10,6 +10,8 @@ from pathlib import Path
 
 DEFAULT_STATE_DIR = "/run/wanka-cluster"
 STATE_FILE = "cluster.json"
+# Inside a node: its own run-state folder (a node-private folder bound here, like /dev/shm).
+NODE_LOCAL = "/run/wanka-node"
 
 
 def state_dir(given: str | None = None) -> Path:
@@ -23,6 +25,10 @@ class Node:
     veth_host: str  # bridge side of the node's link (in the root namespace)
     veth_node: str  # node side of the link (inside the namespace): GLOO_SOCKET_IFNAME
     addr: str  # the node's address on the private network
+    # Host folder (on tmpfs) with the node's private memory: shm/ (its /dev/shm) and local/
+    # (NODE_LOCAL);
+    # "" for a cluster made before nodes had them (they then share the host's).
+    root: str = ""
 
 
 @dataclass

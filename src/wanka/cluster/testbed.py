@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import shutil
 import time
 from pathlib import Path
 
 from wanka.cluster import netns as nx
+from wanka.cluster.nodes import NODES_SHM, make_private
 from wanka.cluster.state import ClusterState, Node, load, remove, save
 
 DEFAULT_SUBNET = "10.231.0.0/24"
@@ -68,6 +70,8 @@ def _make(st: ClusterState, kind: str, obj: str, sdir: str | Path | None, *cmd: 
 
 def create_node(st: ClusterState, node: Node, prefixlen: int, sdir: str | Path | None) -> None:
     ns, vh, vn = node.netns, node.veth_host, node.veth_node
+    node.root = node.root or str(Path(NODES_SHM) / st.name / node.name)
+    make_private(node)
     _make(st, "netns", ns, sdir, "ip", "netns", "add", ns)
     _make(st, "link", vh, sdir, "ip", "link", "add", vh, "type", "veth", "peer", "name", vn,
           "netns", ns)  # fmt: skip
@@ -115,6 +119,7 @@ def up(nodes: int, link_gbit: float = 1.0, intra_gbit: float | None = None, name
     for ns in stale_ns:
         _remove("netns", ns)
     nx.wait_gone(stale_links)
+    shutil.rmtree(Path(NODES_SHM) / name, ignore_errors=True)  # a new cluster's memory is empty
     hosts = net.hosts()
     st = ClusterState(name=name, subnet=str(net), bridge=f"{name}-br", link_gbit=link_gbit,
                       intra_gbit=intra_gbit)  # fmt: skip
@@ -150,6 +155,13 @@ def down(sdir: str | Path | None = None) -> list[str]:
                 _remove(k, obj)
                 removed.append(obj)
     nx.wait_gone([obj for k, obj in st.made if k == "link"])
+    for n in st.nodes:  # the nodes' memory
+        if n.root:
+            shutil.rmtree(n.root, ignore_errors=True)
+    try:
+        (Path(NODES_SHM) / st.name).rmdir()
+    except OSError:
+        pass  # not ours, or not empty
     remove(sdir)
     return removed
 

@@ -15,7 +15,8 @@ into the buddy's mapped slot, so losing a node's memory loses nothing; the train
 only if it comes back to a slot whose copy is still in flight. DCP checkpoints stay the
 fallback: they also load on a different world size, snapshots only on the same layout.
 
-SNAP_DIR/<job>/job.json (written by the supervisor) names the job's run directory: the folder is
+SNAP_DIR/<job>/job.json (written by the supervisor, and by the ranks where it is missing: a
+node's memory is its own) names the job's run directory: the folder is
 live while a live job holds that directory's lock, and is swept at any job's start once idle
 longer than resilience.snapshot_max_age_h (train/run_lock.py; `wanka clean` by hand).
 """
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from wanka.train.run_lock import drop_owner_if_alone
+from wanka.train.run_lock import OWNER, drop_owner_if_alone, write_owner
 
 log = logging.getLogger("wanka.snapshot")
 _ALIGN = 64  # every tensor starts on a 64-byte boundary, so any dtype view of the slot is legal
@@ -150,12 +151,17 @@ def layout_signature(model: torch.nn.Module, world_size: int, model_config: str 
 
 class SnapshotStore:
     def __init__(self, root: Path, job: str, node: str, rank: int, world_size: int,
-                 local_world_size: int, replica: bool, signature: str) -> None:  # fmt: skip
+                 local_world_size: int, replica: bool, signature: str,
+                 run_dir: Path | None = None) -> None:  # fmt: skip
         self.signature = signature  # in every file name: only the same layout restores
         self.job_dir = Path(root) / job
         self.dir = self.job_dir / node / f"rank{rank}"
         self.node, self.rank, self.world = node, rank, world_size
         self.dir.mkdir(parents=True, exist_ok=True)
+        if run_dir is not None and not (self.job_dir / OWNER).exists():
+            # The supervisor's record is in its own host's memory; a node whose memory is its
+            # own (another host) gets one from its ranks, for the sweep and `wanka clean`.
+            write_owner(root, job, run_dir)
         # Buddy = the same local rank on the next node; only useful with more than one node.
         nodes = max(world_size // max(local_world_size, 1), 1)
         self.send_to = (rank + local_world_size) % world_size if replica and nodes > 1 else None

@@ -8,8 +8,9 @@ control plane (wanka/control/) instead of the shared run directory's heartbeat f
   reaches node 0, as it does for torchrun's rendezvous.
 * Each node runs a node agent (python -m wanka.control.agent ... -- torchrun ...) inside its
   namespace: torchrun is its child, in a process group the agent kills on a stop decision. The
-  node's ranks write their heartbeats to a folder only that node's agent reads
-  (RUN_DIR/resilience/nodes/NODE/attemptN).
+  node's ranks write their heartbeats to a folder only that node's agent reads: in the node's
+  private memory (NODE_LOCAL/JOB/NODE/attemptN, see cluster/nodes.py), or on a cluster made
+  before nodes had one, RUN_DIR/resilience/nodes/NODE/attemptN.
 * A Coordinator names the fault from the store alone (rank, node, cause) and writes the stop
   decision; restarts, back-off and eviction are the supervisor's, as in the default mode.
 
@@ -30,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from wanka.cluster.state import NODE_LOCAL
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
 from wanka.resilience.heartbeat import exit_code, exit_message
@@ -96,10 +98,15 @@ class StoreControl:
         self.nodes: list[str] = []
         self._stop_event = threading.Event()  # the current attempt's: set by watch()
 
-    def hb_dir(self, node: str, attempt: int | None = None) -> Path:
-        """Node `node`'s own heartbeat folder for an attempt (kept: small, and it says after
-        the job which node each rank of each attempt ran on)."""
-        return self.sup.dir / "nodes" / node / f"attempt{attempt or self.attempt}"
+    def hb_dir(self, node: str, attempt: int | None = None, host: bool = False) -> Path:
+        """Node `node`'s own heartbeat folder for an attempt, as its processes see it (`host`:
+        where the host sees it, for clean-up and a post-mortem when the store is gone)."""
+        name = f"attempt{attempt or self.attempt}"
+        root = self.sup.cluster.node(node).root
+        if not root:
+            return self.sup.dir / "nodes" / node / name
+        return Path(root) / "local" / self.sup.job / node / name if host else (
+            Path(NODE_LOCAL) / self.sup.job / node / name)  # fmt: skip
 
     def begin(self, attempt: int, nodes: list) -> None:
         """Before attempt `attempt` starts on `nodes`."""
@@ -116,7 +123,7 @@ class StoreControl:
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
                                        AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes)  # fmt: skip
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
-            shutil.rmtree(self.hb_dir(n.name), ignore_errors=True)
+            shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
@@ -190,7 +197,7 @@ class StoreControl:
             log.error("control store: %s; reading exit marks from the node folders", e)
         marks = {}
         for node in self.nodes:
-            folder = self.hb_dir(node)
+            folder = self.hb_dir(node, host=True)
             for p in folder.glob("rank*.exit"):
                 rank = int(p.stem.removeprefix("rank"))
                 code = exit_code(folder, rank)

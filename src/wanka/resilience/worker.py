@@ -122,4 +122,4 @@ class Runtime:
 
         return SnapshotStore(Path(self.cfg.resilience.snapshot_dir), self.job_id, self.node,
                              self.rank, world, local_world, self.cfg.resilience.snapshot_replica,
-                             signature)  # fmt: skip
+                             signature, run_dir=Path(self.cfg.run.dir))  # fmt: skip
