@@ -1,5 +1,7 @@
 """A node that fails every time it starts is evicted after the policy's threshold and the job
-finishes on the remaining node, resharding the DCP checkpoint to the smaller world."""
+finishes on the remaining node, resharding the DCP checkpoint to the smaller world: with the
+supervisor reading the shared run directory, and with it learning of the ranks only through
+the control store (each node's memory its own)."""
 
 from __future__ import annotations
 
@@ -8,15 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_failing_node_is_evicted_and_job_finishes(wanka_cluster, tmp_path):
-    sets = ["data.seq_len=64", "train.micro_batch_size=2", "train.steps=8", "train.warmup_steps=2",
+@pytest.mark.parametrize("control", ["files", "store"])
+def test_failing_node_is_evicted_and_job_finishes(wanka_cluster, tmp_path, control):
+    sets = [f'resilience.control="{control}"', "data.seq_len=64", "train.micro_batch_size=2", "train.steps=8", "train.warmup_steps=2",
             "model.index_topk=16", "train.eval_every=1000", "data.val_batches=1", "parallel.ep=1",
             "checkpoint.every=2", "run.tensorboard=false", f'run.dir="{tmp_path / "run"}"',
-            f'resilience.ledger="{tmp_path / "faults.sqlite"}"',
-            f'resilience.snapshot_dir="{tmp_path / "shm"}"', "resilience.evict_same_cause=2"]  # fmt: skip
+            f'resilience.ledger="{tmp_path / "faults.sqlite"}"', "resilience.evict_same_cause=2"]  # fmt: skip
     r = subprocess.run(
         [sys.executable, "-m", "wanka.cli", "train", "configs/demo.toml", "--cluster", "--nproc", "1",
          "--cluster-state", wanka_cluster.state_dir, "--chaos", "fail_start@node=1,times=5",
