@@ -116,3 +116,19 @@ def test_a_killed_node_is_named_node_lost_not_its_peers_crash(wanka_cluster, tmp
     # n1's memory went with it (its snapshot too): its rank got its state back from the copy
     # on n0, over the network, and resumed from the snapshot like n0's rank.
     assert len(resumed_from_snapshot(run)) == 2
+
+
+def test_losing_the_stores_node_moves_the_store_and_the_job_recovers(wanka_cluster, tmp_path,
+                                                                      reference):  # fmt: skip
+    # The control store is a process on n0: a node kill of n0 takes it (and n0's memory, its
+    # snapshots with it). Named on n0 at once; the next attempt serves the store on n1, every
+    # agent is told so, and both ranks resume from snapshots (n0's from its copy on n1).
+    r, run, summary = train(wanka_cluster, tmp_path, "run", "node_kill@step=3,node=0")
+    m = re.search(r"wanka train: node (n\d): node_lost \((.*)\); restart 1 in", r.stderr)
+    assert m, r.stderr[-3000:]
+    assert m.group(1) == "n0", m.group(0)
+    assert "control store moved from n0 to n1" in r.stderr
+    fault = ledger_fault(tmp_path)
+    assert (fault.cause, fault.rank, fault.node) == ("node_lost", None, "n0")
+    assert summary["state_digest"] == reference["state_digest"]
+    assert len(resumed_from_snapshot(run)) == 2

@@ -169,6 +169,29 @@ def test_a_stop_kills_the_given_group_once(tmp_path, server):
     assert (done["seq"], done["detail"]) == (d["seq"], "killed process group 777")
 
 
+def test_an_agent_whose_store_is_gone_fences_its_node_once_after_orphan_s(tmp_path):
+    """The store's host (the coordinator's) died: after orphan_s without it the agent stops its
+    node's ranks itself (nobody is left to decide), once; a store that is back in time is not
+    a reason to."""
+    srv = ControlStore.serve("127.0.0.1", 0, "job1", timeout_s=CONNECT_S)
+    killed = []
+    agent = NodeAgent(client(srv), "n1", tmp_path, 0.05, pgid=778, orphan_s=0.5,
+                      kill=lambda pg, sig: killed.append((pg, sig)))  # fmt: skip
+    stop = threading.Event()
+    t = threading.Thread(target=agent.run_until, args=(stop,))
+    t.start()
+    time.sleep(0.8)
+    assert killed == [] and not agent.fenced  # the store answers: nothing to do
+    del srv  # the store's process is gone
+    deadline = time.monotonic() + 10
+    while not killed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    stop.set()
+    t.join()
+    assert killed == [(778, signal.SIGKILL)] and agent.fenced
+
+
 def test_an_agent_of_one_attempt_ignores_stops_for_another(tmp_path, server):
     killed = []
     agent = NodeAgent(client(server), "n1", tmp_path, 0.1, pgid=5, attempt=2,

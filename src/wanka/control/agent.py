@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,13 +40,16 @@ log = logging.getLogger("wanka.control.agent")
 class NodeAgent:
     def __init__(self, store: ControlStore, node: str, hb_dir: Path, poll_s: float = 0.5,
                  pgid: int | None = None, kill: Callable[[int, int], None] = os.killpg,
-                 attempt: int | None = None) -> None:  # fmt: skip
+                 attempt: int | None = None, orphan_s: float | None = None) -> None:  # fmt: skip
         """`pgid`: the process group to kill on "stop" (set it again for each attempt's
         torchrun); `kill(pgid, signal)` is os.killpg unless a test injects its own.
         `attempt`: only decisions about this attempt are carried out (None: any decision
-        written after this agent started)."""
+        written after this agent started). `orphan_s`: with the store unreachable that long
+        (its host, the coordinator's, is gone or cut off), stop the node's ranks on our own:
+        nobody is left to name a fault or decide, and peers elsewhere may already be gone."""
         self.store, self.node, self.hb_dir, self.poll_s = store, node, Path(hb_dir), poll_s
-        self.pgid, self.kill, self.attempt = pgid, kill, attempt
+        self.pgid, self.kill, self.attempt, self.orphan_s = pgid, kill, attempt, orphan_s
+        self.fenced = False
         self._sent: dict[int, bytes] = {}  # rank -> the record + state last published
         self._exits_sent: dict[int, tuple] = {}
         self._pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, attempt) of its record
@@ -69,16 +73,31 @@ class NodeAgent:
     def run_until(self, stop: threading.Event) -> None:
         """Poll until `stop` is set. A store that stops answering is said once, not per poll:
         the ranks keep running, and the coordinator sees this node's beats stop."""
-        failing = False
+        failing_since: float | None = None
         while not stop.is_set():
             try:
                 self.poll_once()
-                failing = False
+                failing_since = None
             except ConnectionError as e:
-                if not failing:
+                if failing_since is None:
                     log.error("agent %s: %s", self.node, e)
-                failing = True
+                    failing_since = time.monotonic()
+                elif self.orphan_s is not None and time.monotonic() - failing_since > self.orphan_s:
+                    self._fence()
             stop.wait(self.poll_s)
+
+    def _fence(self) -> None:
+        """Stop this node's ranks: the store has been gone for orphan_s (once)."""
+        if self.fenced or self.pgid is None:
+            return
+        self.fenced = True
+        log.error("agent %s: the control store has been unreachable for %.0f s: stopping this "
+                  "node's ranks", self.node, self.orphan_s)  # fmt: skip
+        try:
+            self.kill(self.pgid, signal.SIGKILL)
+        except OSError:
+            pass
+        self._kill_ranks()
 
     # -- one poll ----------------------------------------------------------------------------
     def _read_ranks(self) -> dict[int, tuple[bytes, object, str]]:
@@ -184,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pgid", type=int, default=None, help="process group to kill on stop")
     p.add_argument("--attempt", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=30.0, help="to reach the store")
+    p.add_argument(
+        "--orphan-s",
+        type=float,
+        default=None,
+        help="store unreachable this long: stop the node's ranks (default: never)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: start and watch it")
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -194,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         from wanka.control.store import ControlStore
 
         store = ControlStore.connect(a.host, a.port, a.job, a.timeout_s)
-        agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt)
+        agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt,
+                          orphan_s=a.orphan_s)  # fmt: skip
     except ConnectionError as e:
         print(f"wanka agent {a.node}: {e}", file=sys.stderr)
         if child is not None:  # never left running unwatched

@@ -1,16 +1,21 @@
 """resilience.control = "store": a --cluster supervisor that watches its ranks through the
 control plane (wanka/control/) instead of the shared run directory's heartbeat files.
 
-* The supervisor serves the control store (a TCPStore) on node 0's address. The cluster's
-  bridge has no address, so nothing inside a node can reach the host's own namespace: the
-  store's sockets are made by a thread that has entered node 0's network namespace (setns),
-  which puts them in node 0's network; the supervisor's process stays where it is. Every node
-  reaches node 0, as it does for torchrun's rendezvous.
+* The control store (a TCPStore) is a process on one node, its *home* (node 0 to begin with):
+  `python -m wanka.control.store_server`, started inside the node, so it dies with it. The
+  supervisor reaches it as a client from a thread that entered the home's network namespace
+  (the cluster's bridge has no address: nothing inside a node can reach the host's own
+  namespace, nor the host a node's, except from inside). If the home is lost (its store
+  process dies: a node kill, a lost host), the fault is named on it at once, the attempt is
+  torn down, and the next one serves a new store on another node: its agents are told the new
+  address, and its ranks restore from their peers' snapshots.
 * Each node runs a node agent (python -m wanka.control.agent ... -- torchrun ...) inside its
-  namespace: torchrun is its child, in a process group the agent kills on a stop decision. The
-  node's ranks write their heartbeats to a folder only that node's agent reads: in the node's
-  private memory (NODE_LOCAL/JOB/NODE/attemptN, see cluster/nodes.py), or on a cluster made
-  before nodes had one, RUN_DIR/resilience/nodes/NODE/attemptN.
+  namespace: torchrun is its child, in a process group the agent kills on a stop decision, or
+  by itself when the store has been unreachable for AGENT_TIMEOUT_S (its coordinator is gone:
+  the node fences itself rather than train on alone). The node's ranks write their heartbeats
+  to a folder only that node's agent reads: in the node's private memory
+  (NODE_LOCAL/JOB/NODE/attemptN, see cluster/nodes.py), or on a cluster made before nodes had
+  one, RUN_DIR/resilience/nodes/NODE/attemptN.
 * A Coordinator names the fault from the store alone (rank, node, cause) and writes the stop
   decision; restarts, back-off and eviction are the supervisor's, as in the default mode.
 
@@ -21,15 +26,19 @@ earlier attempt can never be mistaken for this one's.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from wanka.cluster.state import NODE_LOCAL
 from wanka.control.coordinator import Coordinator
@@ -41,14 +50,16 @@ CLONE_NEWNET = 0x40000000
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # an agent this long without a beat: its node is lost
 STOP_GRACE_S = 5.0  # after a stop decision, the attempt is torn down from here if still up
+STORE_START_S = 60.0  # for the store's process to say its port (it imports torch)
+T = TypeVar("T")
 
 
-def serve_in_netns(netns: str, addr: str, job: str) -> ControlStore:
-    """A ControlStore served on `addr` inside network namespace `netns` (/run/netns/NAME),
-    made by a thread that enters the namespace; this process's other threads stay put."""
+def in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """fn() run by a thread that entered network namespace `netns` (/run/netns/NAME): the
+    sockets it makes live there; this process's other threads stay put."""
     box: dict[str, object] = {}
 
-    def serve() -> None:
+    def run() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
@@ -58,16 +69,50 @@ def serve_in_netns(netns: str, addr: str, job: str) -> ControlStore:
                     raise ConnectionError(f"cannot enter {netns}: {os.strerror(err)} (root?)")
             finally:
                 os.close(fd)
-            box["store"] = ControlStore.serve(addr, 0, job)
+            box["value"] = fn()
         except (OSError, ConnectionError) as e:
             box["error"] = e
 
-    t = threading.Thread(target=serve, name="wanka-control-store")
+    t = threading.Thread(target=run, name="wanka-control-netns")
     t.start()
     t.join()
     if "error" in box:
-        raise ConnectionError(f"control store on {addr} in {netns}: {box['error']}")
-    return box["store"]  # type: ignore[return-value]
+        raise ConnectionError(str(box["error"]))
+    return box["value"]  # type: ignore[return-value]
+
+
+def start_store(
+    node, job: str, timeout_s: float = STORE_START_S
+) -> tuple[subprocess.Popen, ControlStore]:
+    """The control store's process on `node`, and this process's client of it."""
+    from wanka.cluster import nodes as nd
+
+    proc = nd.popen(node, [sys.executable, "-m", "wanka.control.store_server", "--host", node.addr],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        ready = select.select([proc.stdout], [], [], timeout_s)[0]
+        said = json.loads(proc.stdout.readline() or "{}") if ready else {}
+        if "port" not in said:
+            why = said.get("error") or f"no answer within {timeout_s:.0f} s"
+            raise ConnectionError(f"control store on {node.name} ({node.addr}): {why}")
+        port = int(said["port"])
+        client = in_netns(node.netns, lambda: ControlStore.connect(node.addr, port, job))
+    except (ConnectionError, ValueError) as e:
+        stop_store(proc)
+        raise ConnectionError(str(e)) from None
+    return proc, client
+
+
+def stop_store(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.close()  # it exits on EOF
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def kill_marked(marker: str) -> None:
@@ -91,7 +136,9 @@ class StoreControl:
 
     def __init__(self, sup) -> None:
         self.sup = sup
-        self.server: ControlStore | None = None
+        self.server: ControlStore | None = None  # our client of the store
+        self.server_proc: subprocess.Popen | None = None  # the store, on node self.home
+        self.home = None  # the Node the store runs on
         self.store: ControlStore | None = None
         self.coordinator: Coordinator | None = None
         self.attempt, self.world = 0, 0
@@ -110,20 +157,42 @@ class StoreControl:
 
     def begin(self, attempt: int, nodes: list) -> None:
         """Before attempt `attempt` starts on `nodes`."""
-        if self.server is None:
-            home = self.sup.cluster.nodes[0]
-            try:
-                self.server = serve_in_netns(home.netns, home.addr, self.sup.job)
-            except ConnectionError as e:  # said in one line, as a configuration error
-                raise ValueError(f"resilience.control = store: {e}") from None
+        names = [n.name for n in nodes]
+        alive = self.server_proc is not None and self.server_proc.poll() is None
+        if not alive or self.home.name not in names:
+            self._move_store(nodes)
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
-        self.nodes = [n.name for n in nodes]
+        self.nodes = names
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
                                        AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes)  # fmt: skip
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
+
+    def _move_store(self, nodes: list) -> None:
+        """Serve the store on the first of `nodes`, or, when the last home was lost or left
+        the job, on another node than that one."""
+        old = self.home
+        if self.server_proc is not None:
+            stop_store(self.server_proc)
+            self.server_proc = None
+            if self.sup._warm is not None:  # their agents were given the old store's address
+                self.sup._warm.close()
+        home = next((n for n in nodes if old is None or n.name != old.name), nodes[0])
+        try:
+            self.server_proc, self.server = start_store(home, self.sup.job)
+        except ConnectionError as e:  # said in one line, as a configuration error
+            raise ValueError(f"resilience.control = store: {e}") from None
+        self.home = home
+        if old is not None:
+            log.warning("control store moved from %s to %s (%s:%d)", old.name, home.name,
+                        home.addr, self.server.port)  # fmt: skip
+
+    def close(self) -> None:
+        if self.server_proc is not None:
+            stop_store(self.server_proc)
+            self.server_proc = None
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
@@ -132,7 +201,7 @@ class StoreControl:
         return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
                 str(s.port), "--job", f"{self.sup.job}/a{attempt}", "--node", node.name,
                 "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
-                "--attempt", str(attempt), "--", *argv]  # fmt: skip
+                "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S), "--", *argv]  # fmt: skip
 
     def env(self, node, env: dict[str, str], attempt: int) -> dict[str, str]:
         return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name, attempt))}
@@ -161,6 +230,8 @@ class StoreControl:
 
     def _poll(self, attempt: int, out, flagged: dict[int, set[int]], final: bool = False) -> bool:
         sup, now = self.sup, time.time()
+        if self.server_proc.poll() is not None:
+            return self._store_lost(out, now)
         reports = {r: rep for r, rep in self.store.read_ranks(self.world).items()
                    if rep.beat.attempt == attempt}  # fmt: skip
         beats = {r: rep.beat for r, rep in reports.items()}
@@ -185,6 +256,22 @@ class StoreControl:
         timer = threading.Timer(STOP_GRACE_S, self._stop_event.set)
         timer.daemon = True
         timer.start()
+        return True
+
+    def _store_lost(self, out, now: float) -> bool:
+        """The store's process died: its node is lost (a process of ours on it, killed by a
+        signal we did not send). No decision can be written: the attempt is torn down here."""
+        code = self.server_proc.returncode
+        try:
+            how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+        except ValueError:
+            how = f"signal {-code}"
+        node = self.home.name
+        out.cause, out.rank, out.node = "node_lost", None, node
+        out.detail = f"the control store on it was killed ({how})"
+        out.t_fault = self.sup.chaos.fault_time(None, node) or now
+        out.t_detect = now
+        self._stop_event.set()
         return True
 
     def exit_marks(self) -> dict[int, tuple[int, str]]:

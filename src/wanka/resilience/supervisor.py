@@ -419,6 +419,8 @@ class Supervisor:
 
             if self._warm is not None:  # spare launchers of an attempt that never came
                 self._warm.close()
+            if self.control is not None:
+                self.control.close()
             drop_owner_if_alone(Path(self.rc.snapshot_dir) / self.job)
 
     def _run(self) -> int:
