@@ -44,11 +44,12 @@ def fault_line(stderr: str, cause: str) -> re.Match:
     return m
 
 
-def node_of_rank(cluster, rank: int, attempt: int) -> str:
+def node_of_rank(cluster, run: Path, rank: int, attempt: int) -> str:
     """Where the rank ran, from its own file in its node's private heartbeat folder (looked at
     from the host: NODE_LOCAL/JOB/NODE/attemptN inside the node)."""
+    job = (run / "resilience" / "job_id").read_text().strip()
     found = [n.name for n in cluster.state.nodes
-             if list(Path(n.root, "local").glob(f"*/{n.name}/attempt{attempt}/rank{rank}.node"))]  # fmt: skip
+             if Path(n.root, "local", job, n.name, f"attempt{attempt}", f"rank{rank}.node").exists()]  # fmt: skip
     assert len(found) == 1, found
     return found[0]
 
@@ -77,7 +78,7 @@ def test_killed_rank_is_named_with_its_node_and_the_job_recovers(wanka_cluster, 
     r, run, summary = train(wanka_cluster, tmp_path, "run", "kill@step=3,rank=1")
     m = fault_line(r.stderr, "process_crash")
     assert m.group(1) == "1" and "died in" in m.group(3)
-    assert m.group(2) == node_of_rank(wanka_cluster, 1, attempt=1)
+    assert m.group(2) == node_of_rank(wanka_cluster, run, 1, attempt=1)
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("process_crash", 1, m.group(2))
     assert summary["state_digest"] == reference["state_digest"]
@@ -94,7 +95,7 @@ def test_stopped_rank_is_a_hang_named_with_its_node(wanka_cluster, tmp_path, ref
                             "resilience.hang_floor_s=3.0")  # fmt: skip
     m = fault_line(r.stderr, "hang")
     assert m.group(1) == "0" and "stopped (SIGSTOP)" in m.group(3)
-    assert m.group(2) == node_of_rank(wanka_cluster, 0, attempt=1)
+    assert m.group(2) == node_of_rank(wanka_cluster, run, 0, attempt=1)
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("hang", 0, m.group(2))
     assert summary["state_digest"] == reference["state_digest"]

@@ -392,3 +392,43 @@ def test_agents_of_nodes_outside_the_attempt_are_not_watched(job, server):
         for n, a in agents.items():
             a.beat_agent(n, 0.1)
         assert c.check(now + t) is None or c.check(now + t).node != "n3"
+
+
+def test_the_store_process_outlives_a_jobs_stop_signals_and_ends_with_its_stdin():
+    """The store serves until whoever started it is gone (stdin closed) or it is killed with
+    its node: SIGTERM/SIGINT/SIGHUP are the job's last-gasp signals, not the store's."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "wanka.control.store_server", "--host", "127.0.0.1"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = json.loads(p.stdout.readline())["port"]
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            p.send_signal(sig)
+        time.sleep(0.3)
+        assert p.poll() is None
+        c = ControlStore.connect("127.0.0.1", port, "job1", timeout_s=CONNECT_S)
+        c.register_node("n0")
+        assert c.nodes() == ["n0"]
+        p.stdin.close()
+        assert p.wait(timeout=10) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("code, cause", [(-signal.SIGKILL, "node_lost"), (1, "process_crash"),
+                                         (-signal.SIGSEGV, "process_crash")])  # fmt: skip
+def test_only_a_store_killed_with_its_node_is_held_against_the_node(code, cause):
+    from types import SimpleNamespace
+
+    from wanka.resilience.store_attempt import StoreControl
+
+    sc = StoreControl(SimpleNamespace(chaos=SimpleNamespace(fault_time=lambda rank, node: None)))
+    sc.server_proc = SimpleNamespace(returncode=code, poll=lambda: code)
+    sc.home = SimpleNamespace(name="n0")
+    out = SimpleNamespace()
+    assert sc._store_lost(out, 100.0) and sc._stop_event.is_set()
+    assert (out.cause, out.node, out.rank, out.t_detect) == (cause, "n0", None, 100.0)

@@ -224,3 +224,27 @@ def test_ranks_write_the_owner_record_where_their_node_has_none(tmp_path):
     write_owner(shm, "job2", tmp_path / "elsewhere")
     SnapshotStore(shm, "job2", "n1", 0, 1, 1, True, "sig", run_dir=run).close(discard=False)
     assert json.loads((shm / "job2" / "job.json").read_text())["run_dir"].endswith("elsewhere")
+
+
+def test_the_sweep_reaches_into_each_cluster_nodes_own_memory(tmp_path):
+    """On the cluster-in-a-box each node's /dev/shm is its own (host folder ROOT/shm): the
+    start-of-job sweep looks there too, removing only stale folders, never the current job's."""
+    from wanka.cluster.nodes import node_path, sweep_node_snapshots
+    from wanka.cluster.state import ClusterState, Node
+
+    nodes = [Node(f"n{i}", f"ns{i}", f"h{i}", f"v{i}", f"10.0.0.{i}", str(tmp_path / f"n{i}"))
+             for i in range(2)]  # fmt: skip
+    st = ClusterState("wk", "10.0.0.0/24", "br", 1.0, None, nodes)
+    assert node_path(nodes[1], "/dev/shm/wanka") == tmp_path / "n1" / "shm" / "wanka"
+    assert node_path(Node("x", "ns", "h", "v", "a"), "/dev/shm/wanka") is None  # shared memory
+    old = time.time() - 3 * 3600
+    for job in ("stale", "current"):
+        d = tmp_path / "n1" / "shm" / "wanka" / job / "n1" / "rank1"
+        d.mkdir(parents=True)
+        (d / "slot0.bin").write_bytes(b"x" * 10)
+        for p in [d / "slot0.bin", d, d.parent, d.parent.parent]:
+            os.utime(p, (old, old))
+    said = sweep_node_snapshots(st, "/dev/shm/wanka", 1.0, "current")
+    assert len(said) == 1 and "node n1" in said[0] and "stale" in said[0]
+    assert sorted(p.name for p in (tmp_path / "n1" / "shm" / "wanka").iterdir()) == ["current"]
+    assert sweep_node_snapshots(st, "/dev/shm/wanka", 0, None) == []  # 0: never

@@ -26,6 +26,37 @@ NODES_SHM = "/dev/shm/wanka-nodes"
 _PRIVATE = 'mount --bind "$1/local" "$2" && mount --bind "$1/shm" /dev/shm && shift 2 && exec "$@"'
 
 
+def node_path(node: Node, path: str | Path) -> Path | None:
+    """Where the host sees `path` of the node's memory (/dev/shm/... or NODE_LOCAL/...);
+    None if the node's memory is the host's (no root) or `path` is not in it."""
+    if not node.root:
+        return None
+    for inside, sub in (("/dev/shm", "shm"), (NODE_LOCAL, "local")):
+        try:
+            return Path(node.root) / sub / Path(path).relative_to(inside)
+        except ValueError:
+            continue
+    return None
+
+
+def sweep_node_snapshots(st: ClusterState, snapshot_dir: str, max_age_h: float,
+                         current: str | None) -> list[str]:  # fmt: skip
+    """The start-of-job sweep (train/run_lock.py) in every node's own memory, which the host's
+    sweep does not see; returns what it says."""
+    from wanka.train.run_lock import human_age, human_bytes, sweep_snapshots
+
+    said = []
+    for n in st.nodes:
+        where = node_path(n, snapshot_dir)
+        if where is None:
+            continue
+        for f in sweep_snapshots(where, max_age_h, current):
+            said.append(f"removed stale snapshots of node {n.name} {f.path} "
+                        f"({human_bytes(f.bytes)}, run dir {f.run_dir or 'unknown'}, idle "
+                        f"{human_age(f.idle_s)} > resilience.snapshot_max_age_h={max_age_h:g})")  # fmt: skip
+    return said
+
+
 def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process in `node`: it knows its node, and gloo binds the node's
     veth (by default gloo uses the hostname's address, 127.0.0.1 here, which peers can't reach)."""
@@ -41,6 +72,7 @@ def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
 def exec_argv(node: Node, cmd: list[str]) -> list[str]:
     if not node.root:
         return ["ip", "netns", "exec", node.netns, *cmd]
+    make_private(node)  # cheap; a node whose memory folders were removed still starts
     return ["ip", "netns", "exec", node.netns, "sh", "-c", _PRIVATE, "wanka-node", node.root,
             NODE_LOCAL, *cmd]  # fmt: skip
 
@@ -49,7 +81,9 @@ def make_private(node: Node) -> None:
     """The node's memory folders on the host, and the mount point of NODE_LOCAL."""
     if node.root:
         for sub in ("shm", "local"):
-            (Path(node.root) / sub).mkdir(parents=True, exist_ok=True, mode=0o1777)
+            d = Path(node.root) / sub
+            d.mkdir(parents=True, exist_ok=True)
+            d.chmod(0o1777)  # as /dev/shm: anyone may write, only owners remove (umask aside)
         Path(NODE_LOCAL).mkdir(parents=True, exist_ok=True)
 
 
@@ -108,6 +142,7 @@ def start_node(st: ClusterState, node: str, sdir: str | Path | None = None) -> N
         st.made = [m for m in st.made if m[1] not in (n.netns, n.veth_host)]
         create_node(st, n, ipaddress.IPv4Network(st.subnet).prefixlen, sdir)
         save(st, sdir)
+    make_private(n)  # its memory folders may have been removed meanwhile (rm -rf /dev/shm/*)
     set_link(st, node, True)
 
 

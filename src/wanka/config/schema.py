@@ -192,7 +192,7 @@ class ResilienceConfig:
     snapshot_max_age_h: float = 24.0  # snapshots of jobs idle this long are swept at start
     # How a --cluster supervisor watches the ranks: "files" (every node's heartbeats in the
     # shared run directory) or "store" (a node agent per node publishes its own ranks to a
-    # control store the supervisor serves; docs/RESILIENCE.md)
+    # control store running on one node; docs/RESILIENCE.md)
     control: Literal["files", "store"] = "files"
 
 

@@ -72,17 +72,20 @@ class NodeAgent:
 
     def run_until(self, stop: threading.Event) -> None:
         """Poll until `stop` is set. A store that stops answering is said once, not per poll:
-        the ranks keep running, and the coordinator sees this node's beats stop."""
-        failing_since: float | None = None
+        the ranks keep running (the coordinator sees this node's beats stop), until orphan_s
+        without an answer, when the agent stops them itself."""
+        failing, last_ok = False, time.monotonic()
         while not stop.is_set():
             try:
                 self.poll_once()
-                failing_since = None
+                failing, last_ok = False, time.monotonic()
             except ConnectionError as e:
-                if failing_since is None:
+                if not failing:
                     log.error("agent %s: %s", self.node, e)
-                    failing_since = time.monotonic()
-                elif self.orphan_s is not None and time.monotonic() - failing_since > self.orphan_s:
+                failing = True
+                # From the last answer, not the first error: a call into a silent link takes
+                # the store's whole time-out before it fails.
+                if self.orphan_s is not None and time.monotonic() - last_ok > self.orphan_s:
                     self._fence()
             stop.wait(self.poll_s)
 
@@ -98,6 +101,10 @@ class NodeAgent:
         except OSError:
             pass
         self._kill_ranks()
+        if self.kill is os.killpg:  # and ranks still starting (no record yet, own sessions)
+            from wanka.resilience.monitor import kill_marked
+
+            kill_marked(f"WANKA_HB_DIR={self.hb_dir}")
 
     # -- one poll ----------------------------------------------------------------------------
     def _read_ranks(self) -> dict[int, tuple[bytes, object, str]]:

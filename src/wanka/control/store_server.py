@@ -5,13 +5,15 @@ that hosts it. The supervisor starts it inside the node and learns its port from
     python -m wanka.control.store_server --host ADDR [--port 0]
     -> {"port": N}            (stdout, once serving)
 
-It serves until killed or until its stdin closes (the supervisor that started it is gone).
+It serves until its stdin closes (the supervisor that started it is done or gone) or it is
+killed (SIGKILL: SIGINT, SIGTERM and SIGHUP are for the job's ranks, not for it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 
@@ -20,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True, help="this node's address")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed)")
     a = p.parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a job's stop is not the store's
+        signal.signal(sig, signal.SIG_IGN)
     from wanka.control.store import ControlStore
 
     try:

@@ -138,6 +138,22 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+def kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment holds `marker` (a node's WANKA_HB_DIR=...): its
+    agent, torchrun and ranks. torchrun starts each rank in a session of its own, and a rank
+    that never beat is named by no heartbeat record, so neither a group nor a pid list does."""
+    mine = marker.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mine in f.read().split(b"\0"):
+                    os.kill(int(name), signal.SIGKILL)
+        except OSError:
+            pass  # gone meanwhile
+
+
 def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3) -> None:
     """py-spy when installed (works on a process stuck in C code), else ask each rank's
     faulthandler (SIGUSR2, registered by the worker) to write its Python stacks to its log."""

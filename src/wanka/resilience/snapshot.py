@@ -160,7 +160,7 @@ class SnapshotStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         if run_dir is not None and not (self.job_dir / OWNER).exists():
             # The supervisor's record is in its own host's memory; a node whose memory is its
-            # own (another host) gets one from its ranks, for the sweep and `wanka clean`.
+            # own (another host) gets one from its ranks, for the sweep there.
             write_owner(root, job, run_dir)
         # Buddy = the same local rank on the next node; only useful with more than one node.
         nodes = max(world_size // max(local_world_size, 1), 1)

@@ -44,6 +44,7 @@ from wanka.cluster.state import NODE_LOCAL
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
 from wanka.resilience.heartbeat import exit_code, exit_message
+from wanka.resilience.monitor import kill_marked
 
 log = logging.getLogger("wanka.supervisor")
 CLONE_NEWNET = 0x40000000
@@ -81,19 +82,26 @@ def in_netns(netns: str, fn: Callable[[], T]) -> T:
     return box["value"]  # type: ignore[return-value]
 
 
-def start_store(
-    node, job: str, timeout_s: float = STORE_START_S
-) -> tuple[subprocess.Popen, ControlStore]:
-    """The control store's process on `node`, and this process's client of it."""
+def start_store(node, job: str, timeout_s: float = STORE_START_S) -> tuple[subprocess.Popen, ControlStore]:  # fmt: skip
+    """The control store's process on `node`, and this process's client of it. In a session of
+    its own (a signal to the supervisor's process group, a terminal's Ctrl-C, is not for it:
+    it ends when its stdin closes, or with its node)."""
     from wanka.cluster import nodes as nd
 
-    proc = nd.popen(node, [sys.executable, "-m", "wanka.control.store_server", "--host", node.addr],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        proc = nd.popen(node, [sys.executable, "-m", "wanka.control.store_server", "--host",
+                               node.addr], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        text=True, start_new_session=True)  # fmt: skip
+    except (ValueError, OSError) as e:  # e.g. the node is down
+        raise ConnectionError(f"control store on {node.name}: {e}") from None
     try:
         ready = select.select([proc.stdout], [], [], timeout_s)[0]
         said = json.loads(proc.stdout.readline() or "{}") if ready else {}
         if "port" not in said:
-            why = said.get("error") or f"no answer within {timeout_s:.0f} s"
+            gone = proc.poll()
+            why = said.get("error") or (
+                f"its process exited ({gone}) before serving" if gone is not None
+                else f"no answer within {timeout_s:.0f} s")  # fmt: skip
             raise ConnectionError(f"control store on {node.name} ({node.addr}): {why}")
         port = int(said["port"])
         client = in_netns(node.netns, lambda: ControlStore.connect(node.addr, port, job))
@@ -113,22 +121,6 @@ def stop_store(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL every process whose environment holds `marker` (a node's WANKA_HB_DIR=...): its
-    agent, torchrun and ranks. torchrun starts each rank in a session of its own, and a rank
-    that never beat is named by no heartbeat record, so neither a group nor a pid list does."""
-    mine = marker.encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if mine in f.read().split(b"\0"):
-                    os.kill(int(name), signal.SIGKILL)
-        except OSError:
-            pass  # gone meanwhile
 
 
 class StoreControl:
@@ -179,11 +171,20 @@ class StoreControl:
             self.server_proc = None
             if self.sup._warm is not None:  # their agents were given the old store's address
                 self.sup._warm.close()
-        home = next((n for n in nodes if old is None or n.name != old.name), nodes[0])
-        try:
-            self.server_proc, self.server = start_store(home, self.sup.job)
-        except ConnectionError as e:  # said in one line, as a configuration error
-            raise ValueError(f"resilience.control = store: {e}") from None
+        # The first node that can host it; the node that just lost it last.
+        order = [n for n in nodes if old is None or n.name != old.name]
+        order += [n for n in nodes if n not in order]
+        errors = []
+        for home in order:
+            try:
+                self.server_proc, self.server = start_store(home, self.sup.job)
+                break
+            except ConnectionError as e:
+                errors.append(str(e))
+                log.error("%s; trying the next node", e)
+        else:  # said in one line, as a configuration error
+            raise ValueError(f"resilience.control = store: no node could serve the control "
+                             f"store: {'; '.join(errors)}")  # fmt: skip
         self.home = home
         if old is not None:
             log.warning("control store moved from %s to %s (%s:%d)", old.name, home.name,
@@ -201,7 +202,8 @@ class StoreControl:
         return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
                 str(s.port), "--job", f"{self.sup.job}/a{attempt}", "--node", node.name,
                 "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
-                "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S), "--", *argv]  # fmt: skip
+                "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S),
+                "--timeout-s", str(AGENT_TIMEOUT_S / 2), "--", *argv]  # fmt: skip
 
     def env(self, node, env: dict[str, str], attempt: int) -> dict[str, str]:
         return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name, attempt))}
@@ -230,8 +232,8 @@ class StoreControl:
 
     def _poll(self, attempt: int, out, flagged: dict[int, set[int]], final: bool = False) -> bool:
         sup, now = self.sup, time.time()
-        if self.server_proc.poll() is not None:
-            return self._store_lost(out, now)
+        if self.server_proc.poll() is not None and not final:
+            return self._store_lost(out, now)  # (at the final look the attempt is over)
         reports = {r: rep for r, rep in self.store.read_ranks(self.world).items()
                    if rep.beat.attempt == attempt}  # fmt: skip
         beats = {r: rep.beat for r, rep in reports.items()}
@@ -259,16 +261,20 @@ class StoreControl:
         return True
 
     def _store_lost(self, out, now: float) -> bool:
-        """The store's process died: its node is lost (a process of ours on it, killed by a
-        signal we did not send). No decision can be written: the attempt is torn down here."""
-        code = self.server_proc.returncode
+        """The store's process ended: no decision can be written, the attempt is torn down here.
+        Killed by SIGKILL (as everything on a node that went: a node kill, a lost host) names
+        its node lost; any other end (a crash, an OOM kill's exit) is the store's own fault,
+        not held against the node."""
+        code, node = self.server_proc.returncode, self.home.name
         try:
             how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
         except ValueError:
             how = f"signal {-code}"
-        node = self.home.name
-        out.cause, out.rank, out.node = "node_lost", None, node
-        out.detail = f"the control store on it was killed ({how})"
+        if code == -signal.SIGKILL:
+            out.cause, out.detail = "node_lost", f"the control store on it was killed ({how})"
+        else:
+            out.cause, out.detail = "process_crash", f"the control store's process ended ({how})"
+        out.rank, out.node = None, node
         out.t_fault = self.sup.chaos.fault_time(None, node) or now
         out.t_detect = now
         self._stop_event.set()

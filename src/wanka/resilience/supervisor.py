@@ -155,7 +155,11 @@ class Supervisor:
             from wanka.cluster.state import require
 
             self.cluster = require(cluster_state or None)
-            from wanka.cluster.nodes import NodeActions
+            from wanka.cluster.nodes import NodeActions, sweep_node_snapshots
+
+            for line in sweep_node_snapshots(self.cluster, self.rc.snapshot_dir,
+                                             self.rc.snapshot_max_age_h, self.job):  # fmt: skip
+                print(f"{self.says} {line}", file=sys.stderr, flush=True)
 
             self.chaos.cluster = NodeActions(cluster_state or None)
             if any(f.kind == "link_cut" for f in self.chaos.faults):
