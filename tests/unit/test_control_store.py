@@ -427,8 +427,8 @@ def test_only_a_store_killed_with_its_node_is_held_against_the_node(code, cause)
     from wanka.resilience.store_attempt import StoreControl
 
     sc = StoreControl(SimpleNamespace(chaos=SimpleNamespace(fault_time=lambda rank, node: None)))
-    sc.server_proc = SimpleNamespace(returncode=code, poll=lambda: code)
-    sc.home = SimpleNamespace(name="n0")
+    sc.primary = SimpleNamespace(proc=SimpleNamespace(returncode=code, poll=lambda: code),
+                                 node=SimpleNamespace(name="n0"))  # fmt: skip
     out = SimpleNamespace()
     assert sc._store_lost(out, 100.0) and sc._stop_event.is_set()
     assert (out.cause, out.node, out.rank, out.t_detect) == (cause, "n0", None, 100.0)

@@ -5,10 +5,11 @@ control plane (wanka/control/) instead of the shared run directory's heartbeat f
   `python -m wanka.control.store_server`, started inside the node, so it dies with it. The
   supervisor reaches it as a client from a thread that entered the home's network namespace
   (the cluster's bridge has no address: nothing inside a node can reach the host's own
-  namespace, nor the host a node's, except from inside). If the home is lost (its store
-  process dies: a node kill, a lost host), the fault is named on it at once, the attempt is
-  torn down, and the next one serves a new store on another node: its agents are told the new
-  address, and its ranks restore from their peers' snapshots.
+  namespace, nor the host a node's, except from inside). A standby store idles on another
+  node; the next attempt's warm launchers are told it, and it serves that attempt (the stores
+  alternate). If the home is lost (its store process dies: a node kill, a lost host), the
+  fault is named on it at once, the attempt is torn down, and the next one runs on the
+  standby, its ranks restoring from their peers' snapshots.
 * Each node runs a node agent (python -m wanka.control.agent ... -- torchrun ...) inside its
   namespace: torchrun is its child, in a process group the agent kills on a stop decision, or
   by itself when the store has been unreachable for AGENT_TIMEOUT_S (its coordinator is gone:
@@ -82,19 +83,21 @@ def in_netns(netns: str, fn: Callable[[], T]) -> T:
     return box["value"]  # type: ignore[return-value]
 
 
-def start_store(node, job: str, timeout_s: float = STORE_START_S) -> tuple[subprocess.Popen, ControlStore]:  # fmt: skip
-    """The control store's process on `node`, and this process's client of it. In a session of
-    its own (a signal to the supervisor's process group, a terminal's Ctrl-C, is not for it:
-    it ends when its stdin closes, or with its node)."""
-    from wanka.cluster import nodes as nd
+class StoreProcess:
+    """A control store's process on a node, and this process's client of it once it said its
+    port (attach)."""
 
-    try:
-        proc = nd.popen(node, [sys.executable, "-m", "wanka.control.store_server", "--host",
-                               node.addr], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        text=True, start_new_session=True)  # fmt: skip
-    except (ValueError, OSError) as e:  # e.g. the node is down
-        raise ConnectionError(f"control store on {node.name}: {e}") from None
-    try:
+    def __init__(self, node, proc: subprocess.Popen) -> None:
+        self.node, self.proc = node, proc
+        self.client: ControlStore | None = None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def attach(self, job: str, timeout_s: float = STORE_START_S) -> ControlStore:
+        if self.client is not None:
+            return self.client
+        node, proc = self.node, self.proc
         ready = select.select([proc.stdout], [], [], timeout_s)[0]
         said = json.loads(proc.stdout.readline() or "{}") if ready else {}
         if "port" not in said:
@@ -104,11 +107,34 @@ def start_store(node, job: str, timeout_s: float = STORE_START_S) -> tuple[subpr
                 else f"no answer within {timeout_s:.0f} s")  # fmt: skip
             raise ConnectionError(f"control store on {node.name} ({node.addr}): {why}")
         port = int(said["port"])
-        client = in_netns(node.netns, lambda: ControlStore.connect(node.addr, port, job))
+        self.client = in_netns(node.netns, lambda: ControlStore.connect(node.addr, port, job))
+        return self.client
+
+
+def spawn_store(node) -> StoreProcess:
+    """Start the control store's process on `node`, in a session of its own (a signal to the
+    supervisor's process group, a terminal's Ctrl-C, is not for it: it ends when its stdin
+    closes, or with its node). It imports torch: attach() waits for its port."""
+    from wanka.cluster import nodes as nd
+
+    try:
+        proc = nd.popen(node, [sys.executable, "-m", "wanka.control.store_server", "--host",
+                               node.addr], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        text=True, start_new_session=True)  # fmt: skip
+    except (ValueError, OSError) as e:  # e.g. the node is down
+        raise ConnectionError(f"control store on {node.name}: {e}") from None
+    return StoreProcess(node, proc)
+
+
+def start_store(node, job: str) -> StoreProcess:
+    """spawn_store + attach; nothing left behind on failure."""
+    store = spawn_store(node)
+    try:
+        store.attach(job)
     except (ConnectionError, ValueError) as e:
-        stop_store(proc)
+        stop_store(store.proc)
         raise ConnectionError(str(e)) from None
-    return proc, client
+    return store
 
 
 def stop_store(proc: subprocess.Popen) -> None:
@@ -128,9 +154,11 @@ class StoreControl:
 
     def __init__(self, sup) -> None:
         self.sup = sup
-        self.server: ControlStore | None = None  # our client of the store
-        self.server_proc: subprocess.Popen | None = None  # the store, on node self.home
-        self.home = None  # the Node the store runs on
+        self.primary: StoreProcess | None = None  # the store this attempt uses
+        # A second store on another node, idle: the next attempt's spares are given it, so a
+        # lost primary is replaced at once and the spares stay warm (stores alternate).
+        self.standby: StoreProcess | None = None
+        self.spares_on: StoreProcess | None = None  # the store the spares were told
         self.store: ControlStore | None = None
         self.coordinator: Coordinator | None = None
         self.attempt, self.world = 0, 0
@@ -147,12 +175,54 @@ class StoreControl:
         return Path(root) / "local" / self.sup.job / node / name if host else (
             Path(NODE_LOCAL) / self.sup.job / node / name)  # fmt: skip
 
+    @property
+    def server(self) -> ControlStore:
+        return self.primary.client
+
+    @property
+    def server_proc(self) -> subprocess.Popen | None:
+        return self.primary.proc if self.primary is not None else None
+
+    @property
+    def home(self):
+        return self.primary.node
+
     def begin(self, attempt: int, nodes: list) -> None:
         """Before attempt `attempt` starts on `nodes`."""
         names = [n.name for n in nodes]
-        alive = self.server_proc is not None and self.server_proc.poll() is None
-        if not alive or self.home.name not in names:
-            self._move_store(nodes)
+
+        def usable(st: StoreProcess | None) -> bool:
+            return st is not None and st.alive() and st.node.name in names
+
+        spares, self.spares_on = self.spares_on, None
+        old = self.primary
+        lost = old is not None and not old.alive()
+        if (
+            spares is not None
+            and spares is self.standby
+            and usable(spares)
+            and self._attach(spares)
+        ):
+            # The spares were told the standby: it serves this attempt; the old primary, if
+            # still fit, stands by.
+            self.primary, self.standby = spares, old if usable(old) else None
+            if old is not None and self.standby is None:
+                stop_store(old.proc)
+        elif old is None or not usable(old):
+            if old is not None:
+                stop_store(old.proc)
+            if self.sup._warm is not None:  # their agents were told a store that is gone
+                self.sup._warm.close()
+            if usable(self.standby) and self._attach(self.standby):
+                self.primary, self.standby = self.standby, None
+            else:
+                self.primary = self._start_on(nodes, avoid=old.node.name if old else None)
+        elif spares is not None and spares is not old and self.sup._warm is not None:
+            self.sup._warm.close()  # they were told a store that does not serve this attempt
+        if lost or (old is not None and old.node.name not in names):
+            log.warning("control store moved from %s to %s (%s:%d)", old.node.name,
+                        self.home.name, self.home.addr, self.server.port)  # fmt: skip
+        self._keep_standby(nodes)
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
         self.nodes = names
@@ -162,43 +232,60 @@ class StoreControl:
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
 
-    def _move_store(self, nodes: list) -> None:
-        """Serve the store on the first of `nodes`, or, when the last home was lost or left
-        the job, on another node than that one."""
-        old = self.home
-        if self.server_proc is not None:
-            stop_store(self.server_proc)
-            self.server_proc = None
-            if self.sup._warm is not None:  # their agents were given the old store's address
-                self.sup._warm.close()
-        # The first node that can host it; the node that just lost it last.
-        order = [n for n in nodes if old is None or n.name != old.name]
-        order += [n for n in nodes if n not in order]
+    def _attach(self, st: StoreProcess) -> bool:
+        try:
+            st.attach(self.sup.job)
+            return True
+        except (ConnectionError, ValueError) as e:
+            log.error("%s", e)
+            stop_store(st.proc)
+            if st is self.standby:
+                self.standby = None
+            return False
+
+    def _start_on(self, nodes: list, avoid: str | None) -> StoreProcess:
+        """A store on the first of `nodes` that can serve one; `avoid` (the node that just lost
+        it) last."""
+        order = [n for n in nodes if n.name != avoid] + [n for n in nodes if n.name == avoid]
         errors = []
-        for home in order:
+        for node in order:
             try:
-                self.server_proc, self.server = start_store(home, self.sup.job)
-                break
+                return start_store(node, self.sup.job)
             except ConnectionError as e:
                 errors.append(str(e))
                 log.error("%s; trying the next node", e)
-        else:  # said in one line, as a configuration error
-            raise ValueError(f"resilience.control = store: no node could serve the control "
-                             f"store: {'; '.join(errors)}")  # fmt: skip
-        self.home = home
-        if old is not None:
-            log.warning("control store moved from %s to %s (%s:%d)", old.name, home.name,
-                        home.addr, self.server.port)  # fmt: skip
+        raise ValueError(f"resilience.control = store: no node could serve the control "
+                         f"store: {'; '.join(errors)}")  # fmt: skip
+
+    def _keep_standby(self, nodes: list) -> None:
+        """A standby store on another node than the primary's (none with one node)."""
+        st = self.standby
+        if st is not None and (not st.alive() or st.node.name not in {n.name for n in nodes}):
+            stop_store(st.proc)
+            self.standby = None
+        if self.standby is None:
+            for node in (n for n in nodes if n.name != self.home.name):
+                try:
+                    self.standby = spawn_store(node)
+                    return
+                except ConnectionError as e:
+                    log.error("%s (no standby store there)", e)
 
     def close(self) -> None:
-        if self.server_proc is not None:
-            stop_store(self.server_proc)
-            self.server_proc = None
+        for st in (self.primary, self.standby):
+            if st is not None:
+                stop_store(st.proc)
+        self.primary = self.standby = None
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
-        """`argv` run by node `node`'s agent for `attempt` (started ahead of it when warm)."""
+        """`argv` run by node `node`'s agent for `attempt` (started ahead of it when warm: then
+        told the standby store, the next attempt's, when there is one)."""
         s = self.server
+        if attempt > self.attempt:
+            if self.standby is not None and self._attach(self.standby):
+                s = self.standby.client
+            self.spares_on = self.standby if s is not self.server else self.primary
         return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
                 str(s.port), "--job", f"{self.sup.job}/a{attempt}", "--node", node.name,
                 "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
