@@ -8,6 +8,7 @@ import socket
 import struct
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -432,3 +433,75 @@ def test_only_a_store_killed_with_its_node_is_held_against_the_node(code, cause)
     out = SimpleNamespace()
     assert sc._store_lost(out, 100.0) and sc._stop_event.is_set()
     assert (out.cause, out.node, out.rank, out.t_detect) == (cause, "n0", None, 100.0)
+
+
+class _FakeStore:
+    """A control store's process as StoreControl sees it (see store_attempt.StoreProcess)."""
+
+    def __init__(self, node: str, alive: bool = True) -> None:
+        from types import SimpleNamespace
+
+        self.node = SimpleNamespace(name=node, addr=f"10.0.0.{node[-1]}")
+        self.proc = SimpleNamespace(poll=lambda: None if self.up else -9, returncode=-9)
+        self.up, self.stopped = alive, False
+        self.client = SimpleNamespace(store=None, host=self.node.addr, port=29400)
+
+    def alive(self) -> bool:
+        return self.up
+
+    def attach(self, job, timeout_s=0):
+        return self.client
+
+
+@pytest.fixture
+def control(tmp_path, monkeypatch):
+    """A StoreControl on stand-in stores and nodes: which store each attempt uses."""
+    from types import SimpleNamespace
+
+    from wanka.resilience import store_attempt as sa
+
+    stopped = []
+    monkeypatch.setattr(sa, "Coordinator", lambda *a, **k: None)
+    monkeypatch.setattr(sa, "stop_store", lambda proc: stopped.append(proc))
+    monkeypatch.setattr(sa, "spawn_store", lambda node: _FakeStore(node.name))
+    closes = []
+    sup = SimpleNamespace(outcomes=[], _warm=SimpleNamespace(close=lambda: closes.append(1)),
+                          nproc=1, job="j", timeouts=None, dir=tmp_path,
+                          cluster=SimpleNamespace(node=lambda n: SimpleNamespace(root="")))  # fmt: skip
+    sc = sa.StoreControl(sup)
+    nodes = [SimpleNamespace(name=n, addr="a", netns="x") for n in ("n0", "n1", "n2")]
+    return sc, sup, nodes, closes, stopped
+
+
+def test_the_next_attempt_uses_the_store_its_spares_were_told(control):
+    sc, sup, nodes, closes, stopped = control
+    sc.primary = p = _FakeStore("n0")
+    sc.begin(1, nodes)
+    s = sc.standby
+    assert s is not None and s.node.name == "n1"  # on another node than the primary's
+    sc.command(nodes[2], ["x"], 2)  # a spare for attempt 2: told the standby
+    assert sc.spares_on is s
+    sup.outcomes.append(SimpleNamespace(node="n2"))  # a rank on n2 crashed
+    sc.begin(2, nodes)
+    assert sc.primary is s and sc.standby is p and closes == []  # swapped, spares kept
+    # The standby's node is the one the last fault was named on: never moved onto it.
+    sc.command(nodes[2], ["x"], 3)
+    sup.outcomes.append(SimpleNamespace(node="n0"))
+    sc.begin(3, nodes)
+    assert sc.primary is s and p.proc in stopped and closes == [1]  # spares told n0: dropped
+    assert sc.standby.node.name == "n2"  # a new standby, not on n0
+    # The primary's node lost: the standby takes over (spares were told it).
+    sc.command(nodes[2], ["x"], 4)
+    s.up = False
+    sup.outcomes.append(SimpleNamespace(node="n1"))
+    sc.begin(4, nodes)
+    assert sc.primary.node.name == "n2" and sc.standby.node.name == "n0"
+
+
+def test_a_standby_still_starting_leaves_the_spares_on_the_primary(control):
+    sc, sup, nodes, closes, stopped = control
+    sc.primary = _FakeStore("n0")
+    sc.begin(1, nodes)
+    sc.standby.attach = lambda job, timeout_s=0: None  # not ready yet: never waited for
+    argv = sc.command(nodes[1], ["x"], 2)
+    assert sc.spares_on is sc.primary and argv[argv.index("--host") + 1] == "10.0.0.0"

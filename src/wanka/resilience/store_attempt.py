@@ -72,7 +72,7 @@ def in_netns(netns: str, fn: Callable[[], T]) -> T:
             finally:
                 os.close(fd)
             box["value"] = fn()
-        except (OSError, ConnectionError) as e:
+        except Exception as e:  # noqa: BLE001  (said by the caller as a ConnectionError)
             box["error"] = e
 
     t = threading.Thread(target=run, name="wanka-control-netns")
@@ -94,11 +94,15 @@ class StoreProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def attach(self, job: str, timeout_s: float = STORE_START_S) -> ControlStore:
+    def attach(self, job: str, timeout_s: float = STORE_START_S) -> ControlStore | None:
+        """Our client, once the store said its port within `timeout_s`; None if it has not yet
+        (with `wait=False` semantics: timeout_s 0 never blocks)."""
         if self.client is not None:
             return self.client
         node, proc = self.node, self.proc
         ready = select.select([proc.stdout], [], [], timeout_s)[0]
+        if not ready and timeout_s == 0 and proc.poll() is None:
+            return None  # still importing: ask again later
         said = json.loads(proc.stdout.readline() or "{}") if ready else {}
         if "port" not in said:
             gone = proc.poll()
@@ -197,6 +201,12 @@ class StoreControl:
         spares, self.spares_on = self.spares_on, None
         old = self.primary
         lost = old is not None and not old.alive()
+        # Never onto the node the last fault was named on (a cut link, a frozen host: its store
+        # process may look alive and be unreachable).
+        faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
+        if self.standby is not None and self.standby.node.name == faulted:
+            stop_store(self.standby.proc)
+            self.standby = None
         if (
             spares is not None
             and spares is self.standby
@@ -205,8 +215,9 @@ class StoreControl:
         ):
             # The spares were told the standby: it serves this attempt; the old primary, if
             # still fit, stands by.
-            self.primary, self.standby = spares, old if usable(old) else None
-            if old is not None and self.standby is None:
+            keep = usable(old) and old.node.name != faulted
+            self.primary, self.standby = spares, old if keep else None
+            if old is not None and not keep:
                 stop_store(old.proc)
         elif old is None or not usable(old):
             if old is not None:
@@ -216,7 +227,9 @@ class StoreControl:
             if usable(self.standby) and self._attach(self.standby):
                 self.primary, self.standby = self.standby, None
             else:
-                self.primary = self._start_on(nodes, avoid=old.node.name if old else None)
+                self.primary = self._start_on(
+                    nodes, avoid=(old.node.name if old else None, faulted)
+                )
         elif spares is not None and spares is not old and self.sup._warm is not None:
             self.sup._warm.close()  # they were told a store that does not serve this attempt
         if lost or (old is not None and old.node.name not in names):
@@ -232,10 +245,10 @@ class StoreControl:
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
 
-    def _attach(self, st: StoreProcess) -> bool:
+    def _attach(self, st: StoreProcess, timeout_s: float = STORE_START_S) -> bool:
+        """Our client of `st` (False: not ready within timeout_s 0, or dead and dropped)."""
         try:
-            st.attach(self.sup.job)
-            return True
+            return st.attach(self.sup.job, timeout_s) is not None
         except (ConnectionError, ValueError) as e:
             log.error("%s", e)
             stop_store(st.proc)
@@ -243,10 +256,10 @@ class StoreControl:
                 self.standby = None
             return False
 
-    def _start_on(self, nodes: list, avoid: str | None) -> StoreProcess:
-        """A store on the first of `nodes` that can serve one; `avoid` (the node that just lost
-        it) last."""
-        order = [n for n in nodes if n.name != avoid] + [n for n in nodes if n.name == avoid]
+    def _start_on(self, nodes: list, avoid: tuple) -> StoreProcess:
+        """A store on the first of `nodes` that can serve one; nodes in `avoid` (the one that
+        just lost it, the last fault's) last."""
+        order = [n for n in nodes if n.name not in avoid] + [n for n in nodes if n.name in avoid]
         errors = []
         for node in order:
             try:
@@ -264,7 +277,11 @@ class StoreControl:
             stop_store(st.proc)
             self.standby = None
         if self.standby is None:
-            for node in (n for n in nodes if n.name != self.home.name):
+            faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
+            others = [n for n in nodes if n.name != self.home.name]
+            for node in [n for n in others if n.name != faulted] + [
+                n for n in others if n.name == faulted
+            ]:
                 try:
                     self.standby = spawn_store(node)
                     return
@@ -283,7 +300,9 @@ class StoreControl:
         told the standby store, the next attempt's, when there is one)."""
         s = self.server
         if attempt > self.attempt:
-            if self.standby is not None and self._attach(self.standby):
+            # Never waits (this runs in the attempt's launch loop): a standby still starting
+            # leaves the spares on the primary.
+            if self.standby is not None and self._attach(self.standby, timeout_s=0):
                 s = self.standby.client
             self.spares_on = self.standby if s is not self.server else self.primary
         return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",

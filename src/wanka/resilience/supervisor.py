@@ -208,8 +208,9 @@ class Supervisor:
         quiet_launcher_logs()  # we report faults in one line
 
         hb_dir = self.dir / "hb"
+        # Under Slurm every node runs a supervisor on the shared run directory: they race here.
         for old in hb_dir.glob("rank*.*") if hb_dir.is_dir() else ():
-            old.unlink()
+            old.unlink(missing_ok=True)
         env = {"WANKA_SUPERVISED": "1", "WANKA_ATTEMPT": str(attempt), "WANKA_JOB_ID": self.job,
                "WANKA_HB_DIR": str(hb_dir), "WANKA_NODE": self.node,
                "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
@@ -244,6 +245,8 @@ class Supervisor:
             self._catch_stop_requests()  # the agent left its own handlers behind
         if out.launcher_killed is not None:
             self._node_lost(out)
+        if out.cause == "node_lost" and out.node and self._warm is not None:
+            self._warm.discard(out.node)  # however it was named: its spare is not to be trusted
         # What the ranks said on exit. A stop request ends the job whether or not the ranks
         # managed their last-gasp checkpoint; `confirmed` says whether they did.
         marks = self.control.exit_marks() if self.control is not None else None
