@@ -340,8 +340,6 @@ class Supervisor:
         out.detail = f"its {what} was killed ({how})"
         out.t_fault = self.chaos.fault_time(None, node) or out.t_fault
         out.t_detect = out.t_detect or time.time()
-        if self._warm is not None:  # its spare may hold a broken store link, or be gone
-            self._warm.discard(node)
 
     def _classify(self, out: Outcome) -> None:
         if out.cause in ("hang", "preempted", "user_error") or out.cause.startswith("node"):
