@@ -79,7 +79,8 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
                               cluster_state=args.cluster_state or "").run()  # fmt: skip
         from wanka.cluster.launch import launch_on_cluster
 
-        return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state)
+        return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state,
+                                 spare_nodes=cfg.resilience.spare_nodes)  # fmt: skip
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
     try:
         ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)

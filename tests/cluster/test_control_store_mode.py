@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str):
+def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str, world: int = 2):
     run = tmp_path / name  # snapshots: the default /dev/shm/wanka, each node's own
     sets = ["data.seq_len=64", "train.micro_batch_size=2", f"train.steps={STEPS}",
             "train.warmup_steps=2", "model.index_topk=16", "train.eval_every=1000",
@@ -34,7 +34,7 @@ def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str):
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["world_size"] == 2
+    assert summary["steps"] == STEPS and summary["world_size"] == world
     return r, run, summary
 
 
@@ -101,6 +101,9 @@ def test_stopped_rank_is_a_hang_named_with_its_node(wanka_cluster, tmp_path, ref
     assert summary["state_digest"] == reference["state_digest"]
 
 
+# In CI the node_kill is covered with a hot spare (tests/cluster/test_hot_spare.py: the same
+# naming, ledger and replica checks); here the lost node itself comes back, cold.
+@pytest.mark.slow
 def test_a_killed_node_is_named_node_lost_not_its_peers_crash(wanka_cluster, tmp_path, reference):
     # Every process of n1 goes at once (agent, launcher, rank); rank on n0 then dies of the
     # reset connection at once. The node is the cause, with no rank, and it was injected.

@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("control", ["files", "store"])
+# Files mode evicts through the same supervisor code: `make test-slow` (CI time budget).
+@pytest.mark.parametrize("control", [pytest.param("files", marks=pytest.mark.slow), "store"])
 def test_failing_node_is_evicted_and_job_finishes(wanka_cluster, tmp_path, control):
     sets = [f'resilience.control="{control}"', "data.seq_len=64", "train.micro_batch_size=2", "train.steps=8", "train.warmup_steps=2",
             "model.index_topk=16", "train.eval_every=1000", "data.val_batches=1", "parallel.ep=1",

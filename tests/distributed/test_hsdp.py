@@ -122,8 +122,11 @@ def test_powersgd_projects_gradients(results):
 
 
 # "none" is exact math already checked step by step (test_hsdp_without_compression_matches_flat
-# _fsdp); its whole-trainer run is `make test-slow` (~45 s).
-@pytest.mark.parametrize("method", [pytest.param("none", marks=pytest.mark.slow), "int8"])
+# _fsdp); int8 HSDP under the whole trainer, resumed bitwise from memory and from its DCP
+# checkpoint, is tests/integration/test_resilience_cli.py's. Both here: `make test-slow` (~45 s
+# and ~80 s: CI time budget).
+@pytest.mark.parametrize("method", [pytest.param("none", marks=pytest.mark.slow),
+                                    pytest.param("int8", marks=pytest.mark.slow)])  # fmt: skip
 def test_hsdp_training_job(job_args, tmp_path, method):
     """The whole trainer on 2 replicas x 2 shards: close to flat FSDP, and it resumes from
     its DCP checkpoint (saved once per shard, not once per replica)."""

@@ -183,3 +183,28 @@ def test_job_stopped_before_its_ranks_leaves_no_snapshot_folder(tmp_path):
     assert r.returncode == 2 and "pre-flight checkpoint" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "shm").exists() or list((tmp_path / "shm").iterdir()) == []
     assert not (tmp_path / "run" / "wanka.lock").exists()
+
+
+def test_clean_also_reaches_each_cluster_nodes_own_memory(tmp_path, capsys):
+    """On the cluster-in-a-box a node's /dev/shm is its own folder on the host: `wanka clean
+    --cluster-state DIR` lists and sweeps it too, each line saying whose memory it is."""
+    import uuid
+
+    from wanka.cli import main
+    from wanka.cluster.state import ClusterState, Node, save
+
+    inside = f"/dev/shm/wanka-cleantest-{uuid.uuid4().hex[:8]}"  # what the nodes call it
+    nodes = [Node(f"n{i}", f"ns{i}", f"h{i}", f"v{i}", f"10.9.0.{i}", root=str(tmp_path / f"n{i}"))
+             for i in range(2)]  # fmt: skip
+    save(ClusterState("t", "10.9.0.0/24", "br", 1.0, None, nodes), tmp_path / "state")
+    shm1 = tmp_path / "n1" / "shm" / inside.removeprefix("/dev/shm/")
+    stale = _snapshot_folder(shm1, "stale-00000002", tmp_path / "gone", idle_h=48)
+    args = ["clean", "--snapshot-dir", inside, "--cluster-state", str(tmp_path / "state")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"no in-memory snapshots in {inside}\n" in out  # the host's own: none
+    assert f"node n1: in-memory snapshots in {shm1} (stale" in out and "stale-00000002" in out
+    assert main([*args, "--snapshots"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {stale} (1.0 MiB)\nnode n1: freed 1.0 MiB in 1 folder(s)" in out
+    assert not stale.exists()

@@ -190,3 +190,46 @@ def test_orders_are_one_json_line(tmp_path):
     out = p.stdout.read().decode()
     p.wait()
     assert out.endswith("\n") and json.loads(out) == {"argv": ["a"], "env": {"K": "v"}}
+
+
+def _nodes(*names: str) -> list[Node]:
+    return [Node(n, f"ns-{n}", f"h-{n}", f"v-{n}", "10.9.0.9") for n in names]
+
+
+@pytest.mark.parametrize(
+    "active, prev, width, suspect, chosen",
+    [
+        ("n0 n1 n2", "", 2, None, "n0 n1"),  # the first attempt: the first `width` nodes
+        ("n0 n1 n2", "n0 n1", 2, None, "n0 n1"),  # no node suspect: the same nodes
+        # A lost node's place (its node rank, so its ranks) goes to the spare; n0 keeps rank 0.
+        ("n0 n1 n2", "n0 n1", 2, "n1", "n0 n2"),
+        ("n0 n1 n2", "n0 n1", 2, "n0", "n2 n1"),
+        ("n0 n1 n2", "n0 n2", 2, "n2", "n0 n1"),  # the node it replaced is the spare now
+        ("n0 n1", "n0 n1", 2, "n1", "n0 n1"),  # no spare: the suspect stays (it may be back)
+        ("n0 n2", "n0 n1", 2, None, "n0 n2"),  # n1 evicted: the spare takes its place
+        ("n0", "n0 n1", 2, None, "n0"),  # evicted, no spare: the job shrinks
+        ("n0 n1 n2 n3", "n0 n1", 2, "n1", "n0 n2"),  # spares in cluster order
+        ("n0 n1 n2", "n0 n1", 1, None, "n0"),  # never wider than asked
+    ],
+)
+def test_a_spare_takes_the_place_of_a_suspect_or_evicted_node(active, prev, width, suspect,
+                                                              chosen):  # fmt: skip
+    got = ca.choose_nodes(_nodes(*active.split()), prev.split(), width, suspect)
+    assert [n.name for n in got] == chosen.split()
+
+
+def test_the_next_attempts_launchers_also_wait_on_the_spare_nodes(stand_ins):
+    started, _ = stand_ins
+    warm = ca.WarmLaunchers(None)
+    spare = _nodes("n2")
+    orders = {"n0": "exit:0:0.5", "n1": "exit:0:0.5"}
+    real_give = ca._give_orders
+    ca._give_orders = lambda p, o: real_give(p, {**o, "argv": [orders["n0"]]})
+    try:
+        end = ca.run_attempt(STATE, NODES, 1, ["train"], {}, 1, threading.Event(),
+                             threading.Event(), warm=warm, started=lambda: True, spares=spare)  # fmt: skip
+    finally:
+        ca._give_orders = real_give
+    assert end.codes == [0, 0]
+    assert sorted(warm.ready) == [(2, "n0"), (2, "n1"), (2, "n2")]
+    warm.close()

@@ -332,6 +332,57 @@ def test_a_silent_agent_is_node_lost_and_its_ranks_are_not_blamed(job):
     assert f.describe() == "node n2: node_lost (agent silent for 2.0 s, limit 1.0 s)"
 
 
+def _three_nodes(server, tmp_path, home: str):
+    """Ranks 0, 1, 2 on nodes n0, n1, n2; the store on `home`."""
+    agents = {n: client(server) for n in ("n0", "n1", "n2")}
+    now = time.time()
+    done = {"data": 0.05, "forward": 0.2, "backward": 0.3, "optimizer": 0.1}
+    for r, (n, c) in enumerate(agents.items()):
+        c.register_node(n)
+        c.beat_agent(n, 0.1)
+        c.publish_rank(r, record(3, "forward", now - 0.1, done=done), n, "S")
+    timeouts = Timeouts(tmp_path / "t.json", factor=3.0, floor=1.0, initial=5.0)
+    c = Coordinator(server, 3, timeouts, agent_timeout_s=5.0, attempt=1,
+                    nodes=list(agents), home=home)  # fmt: skip
+    assert c.check(now) is None
+    return c, agents, now
+
+
+@pytest.mark.parametrize("home, silent", [("n0", "n1, n2"), ("spare", "n0, n1, n2")])
+def test_every_other_node_silent_at_once_is_the_stores_node_cut_off(tmp_path, server, home,
+                                                                      silent):  # fmt: skip
+    # n0's link is cut: n1's and n2's agents cannot reach the store any more; n0's own agent
+    # still can, from inside its node. Or the store is on a hot spare whose link is cut.
+    c, agents, now = _three_nodes(server, tmp_path, home)
+    for t in (0.5, 1.0, 2.0):
+        if home == "n0":
+            agents["n0"].beat_agent("n0", 0.1)
+        f = c.check(now + t)
+    assert (f.cause, f.rank, f.node) == ("node_lost", None, home)
+    assert f"unreachable from every other node ({silent})" in f.detail
+    assert f.describe().endswith("its link is cut)")
+
+
+def test_one_silent_node_of_three_is_that_node_lost(tmp_path, server):
+    c, agents, now = _three_nodes(server, tmp_path, "n0")
+    for t in (0.5, 1.0, 2.0):
+        for n in ("n0", "n1"):
+            agents[n].beat_agent(n, 0.1)
+        f = c.check(now + t)
+    assert (f.cause, f.node) == ("node_lost", "n2")
+
+
+def test_with_two_nodes_the_silent_one_is_named_even_if_the_store_is_on_the_other(job):
+    # A partition of two: either side looks the same from the store; the silent side is named.
+    c, agents, now = job
+    c.home = "n1"
+    agents["n1"].beat_agent("n1", 0.1)
+    assert c.check(now + 0.5) is None
+    agents["n1"].beat_agent("n1", 0.1)
+    f = c.check(now + 2.0)
+    assert (f.cause, f.node) == ("node_lost", "n2")
+
+
 def test_an_agent_whose_ranks_are_starting_gets_the_agent_timeout(job):
     c, agents, now = job
     for r in (2, 3):  # n2's ranks are still starting (no phase completed: start-up grace)
@@ -505,3 +556,15 @@ def test_a_standby_still_starting_leaves_the_spares_on_the_primary(control):
     sc.standby.attach = lambda job, timeout_s=0: None  # not ready yet: never waited for
     argv = sc.command(nodes[1], ["x"], 2)
     assert sc.spares_on is sc.primary and argv[argv.index("--host") + 1] == "10.0.0.0"
+
+
+def test_the_standby_store_prefers_a_hot_spare_node(control):
+    sc, sup, nodes, closes, stopped = control
+    sc.begin(1, nodes[:2], spare_nodes=nodes[2:])
+    assert sc.primary.node.name == "n0" and sc.standby.node.name == "n2"
+    closes.clear()
+    # n1 lost: n2 (the spare, where the standby is) joins; the spares were told the standby.
+    sc.command(nodes[0], ["x"], 2)
+    sup.outcomes.append(SimpleNamespace(node="n1"))
+    sc.begin(2, [nodes[0], nodes[2]], spare_nodes=[nodes[1]])
+    assert sc.primary.node.name == "n2" and sc.standby.node.name == "n0" and closes == []

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from wanka.cluster import nodes as nd
-from wanka.cluster.state import ClusterState, require
+from wanka.cluster.state import ClusterState, Node, require
 
 RDZV_PORT = 29400
 
@@ -41,13 +41,15 @@ def torchrun_argv(st: ClusterState, i: int, nproc_per_node: int, target: list[st
 
 
 def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None = None,
-                   timeout: float | None = None, **popen_kw) -> int:  # fmt: skip
-    """Start torchrun on every node, wait for all; the first non-zero exit code, else 0. When
-    one node fails the others are stopped rather than left waiting for it."""
+                   timeout: float | None = None, spare_nodes: int = 0, **popen_kw) -> int:  # fmt: skip
+    """Start torchrun on every node (but the last `spare_nodes`), wait for all; the first
+    non-zero exit code, else 0. When one node fails the others are stopped rather than left
+    waiting for it."""
     st = require(state_dir)
+    nodes = job_nodes(st, spare_nodes)
     rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"
-    procs = [nd.popen(n, torchrun_argv(st, i, nproc_per_node, target, rdzv_id), **popen_kw)
-             for i, n in enumerate(st.nodes)]  # fmt: skip
+    procs = [nd.popen(n, torchrun_argv(st, i, nproc_per_node, target, rdzv_id, nodes=nodes),
+                      **popen_kw) for i, n in enumerate(nodes)]  # fmt: skip
     deadline = None if timeout is None else time.monotonic() + timeout
     rc = 0
     try:
@@ -71,7 +73,18 @@ def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None
 
 
 def launch_on_cluster(nproc_per_node: int, worker_args: list[str],
-                      state_dir: str | None = None) -> int:  # fmt: skip
-    """`wanka <worker_args...>` as one job over every node of the cluster, `nproc_per_node`
-    ranks each. Every rank has WANKA_NODE (its node's name) in its environment."""
-    return run_on_cluster(nproc_per_node, ["-m", "wanka.cli", *worker_args], state_dir)
+                      state_dir: str | None = None, spare_nodes: int = 0) -> int:  # fmt: skip
+    """`wanka <worker_args...>` as one job over every node of the cluster (but the last
+    `spare_nodes`), `nproc_per_node` ranks each. Every rank has WANKA_NODE (its node's name)
+    in its environment."""
+    return run_on_cluster(nproc_per_node, ["-m", "wanka.cli", *worker_args], state_dir,
+                          spare_nodes=spare_nodes)  # fmt: skip
+
+
+def job_nodes(st: ClusterState, spare_nodes: int = 0) -> list[Node]:
+    """The nodes a job without a supervisor trains on: all but the last `spare_nodes` (the
+    world a supervised job with that many hot spares starts with)."""
+    if not 0 <= spare_nodes < len(st.nodes):
+        raise ValueError(f"resilience.spare_nodes={spare_nodes} leaves no node to train on: the "
+                         f"cluster has {len(st.nodes)}; set it below that")  # fmt: skip
+    return st.nodes[: len(st.nodes) - spare_nodes]

@@ -43,17 +43,14 @@ def sweep_node_snapshots(st: ClusterState, snapshot_dir: str, max_age_h: float,
                          current: str | None) -> list[str]:  # fmt: skip
     """The start-of-job sweep (train/run_lock.py) in every node's own memory, which the host's
     sweep does not see; returns what it says."""
-    from wanka.train.run_lock import human_age, human_bytes, sweep_snapshots
+    from wanka.train.run_lock import sweep_snapshots, swept_line
 
     said = []
     for n in st.nodes:
         where = node_path(n, snapshot_dir)
-        if where is None:
-            continue
-        for f in sweep_snapshots(where, max_age_h, current):
-            said.append(f"removed stale snapshots of node {n.name} {f.path} "
-                        f"({human_bytes(f.bytes)}, run dir {f.run_dir or 'unknown'}, idle "
-                        f"{human_age(f.idle_s)} > resilience.snapshot_max_age_h={max_age_h:g})")  # fmt: skip
+        if where is not None:
+            said += [swept_line(f, max_age_h, n.name)
+                     for f in sweep_snapshots(where, max_age_h, current)]  # fmt: skip
     return said
 
 

@@ -232,7 +232,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.eval_every", "must be positive")
     r = cfg.resilience
     for path, v in {"resilience.snapshot_every": r.snapshot_every, "resilience.max_restarts": r.max_restarts,
-                    "resilience.backoff_s": r.backoff_s, "resilience.spike_factor": r.spike_factor}.items():  # fmt: skip
+                    "resilience.backoff_s": r.backoff_s, "resilience.spike_factor": r.spike_factor,
+                    "resilience.spare_nodes": r.spare_nodes}.items():  # fmt: skip
         if v < 0:
             raise ConfigError(path, f"must be >= 0, got {v}")
     for path, v in {"resilience.hang_factor": r.hang_factor, "resilience.hang_floor_s": r.hang_floor_s,

@@ -194,6 +194,9 @@ class ResilienceConfig:
     # shared run directory) or "store" (a node agent per node publishes its own ranks to a
     # control store running on one node; docs/RESILIENCE.md)
     control: Literal["files", "store"] = "files"
+    # --cluster jobs: this many of the healthy nodes stand by as hot spares (warm launchers
+    # waiting); one takes the place (and ranks) of a node named lost or hung.
+    spare_nodes: int = 0
 
 
 @dataclass

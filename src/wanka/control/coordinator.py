@@ -56,14 +56,14 @@ class ControlFault:
 class Coordinator:
     def __init__(self, store: ControlStore, world_size: int, timeouts: Timeouts,
                  agent_timeout_s: float = 10.0, attempt: int | None = None,
-                 nodes: list[str] | None = None) -> None:  # fmt: skip
+                 nodes: list[str] | None = None, home: str | None = None) -> None:  # fmt: skip
         """`attempt`: only heartbeats and exits of that attempt count (the store outlives
         attempts; None: all). Set `.attempt` again when the next attempt starts. `nodes`: the
         nodes of the attempt (None: every node registered); other agents (a spare started
-        ahead for a node evicted since) are not watched."""
+        ahead for a node evicted since) are not watched. `home`: the node the store runs on."""
         self.store, self.world_size, self.timeouts = store, world_size, timeouts
         self.nodes = None if nodes is None else set(nodes)
-        self.agent_timeout_s, self.attempt = agent_timeout_s, attempt
+        self.agent_timeout_s, self.attempt, self.home = agent_timeout_s, attempt, home
         self.monitor = HangMonitor(timeouts)
         # node -> (beat counter, when it last advanced on our clock, the agent's poll period)
         self._heard: dict[str, tuple[int, float, float]] = {}
@@ -121,10 +121,35 @@ class Coordinator:
         over = {n: s for n, s in silent.items() if s > self._silence_limit(n, ranks)}
         if not over:
             return None
+        cut = self._home_cut_off(now, silent)
+        if cut is not None:
+            return cut
         node = max(over, key=lambda n: silent[n])  # the first to go quiet
         detail = (f"agent silent for {silent[node]:.1f} s, limit "
                   f"{self._silence_limit(node, ranks):.1f} s")  # fmt: skip
         return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1])
+
+    def _home_cut_off(self, now: float, silent: dict[str, float]) -> ControlFault | None:
+        """Every other node went quiet at once while the store's own node still beats (or
+        trains no rank: a hot spare): the store's node is the one cut off (its agent reaches
+        the store inside the node, as we do). Needs two other nodes or more: with one, either
+        side of a partition looks the same."""
+        home = self.home
+        others = [n for n in silent if n != home]
+        if home is None or len(others) < 2 or (home in silent and self._late(home, now)):
+            return None
+        if not all(self._late(n, now) for n in others):
+            return None
+        quiet = min(silent[n] for n in others)
+        beat = "while its own agent beat" if home in silent else "at once"
+        detail = (f"the control store on it was unreachable from every other node "
+                  f"({', '.join(sorted(others))}) for {quiet:.1f} s {beat}: its link is cut")  # fmt: skip
+        return ControlFault("node_lost", None, home, detail,
+                            t_fault=max(self._heard[n][1] for n in others))  # fmt: skip
+
+    def _late(self, node: str, now: float) -> bool:
+        _, t, poll_s = self._heard[node]
+        return now - t > max(LATE_POLLS * poll_s, LATE_MIN_S)
 
     def _silence_limit(self, node: str, ranks: dict[int, RankReport]) -> float:
         """How long a node's agent may be silent: its ranks' own hang limits (a host that went
@@ -147,11 +172,7 @@ class Coordinator:
         return all(c >= seen[n] + 2 for n, c in counts.items() if n in seen)
 
     def _any_late(self, now: float, finished: set[str]) -> bool:
-        return any(
-            now - t > max(LATE_POLLS * poll_s, LATE_MIN_S)
-            for n, (_, t, poll_s) in self._heard.items()
-            if n not in finished
-        )
+        return any(self._late(n, now) for n in self._heard if n not in finished)
 
     def _exited(self, ranks: dict[int, RankReport], exits: dict[int, ExitReport],
                 now: float) -> ControlFault | None:  # fmt: skip

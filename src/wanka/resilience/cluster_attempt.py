@@ -128,6 +128,35 @@ def _give_orders(p: subprocess.Popen, orders: dict) -> bool:
         return False
 
 
+# Faults that make a node suspect (gone, cut off, frozen): a hot spare takes its place. A rank
+# that crashed or a failed save says nothing about its node; moving would cost its ranks their
+# local snapshots for nothing.
+SUSPECT_CAUSES = ("node_lost", "hang")
+
+
+def choose_nodes(active: list[Node], prev: list[str], width: int,
+                 suspect: str | None = None) -> list[Node]:  # fmt: skip
+    """The nodes of the next attempt, in node-rank order: the previous attempt's, except that a
+    spare (an active node not in it) takes the place of the `suspect` one and of any no longer
+    active (evicted), so every other node keeps its ranks and their snapshots. Without a spare a
+    suspect node stays (it may be back) and an evicted one is dropped (the job shrinks)."""
+    by_name = {n.name: n for n in active}
+    spares = [n for n in active if n.name not in prev and n.name != suspect]
+    chosen: list[Node] = []
+    for name in prev:
+        if name in by_name and name != suspect:
+            chosen.append(by_name[name])
+        elif spares:
+            chosen.append(spares.pop(0))
+        elif name == suspect and name in by_name:
+            chosen.append(by_name[name])
+    while len(chosen) < width and spares:  # the first attempt; or grown back to width
+        chosen.append(spares.pop(0))
+    if len(chosen) < width and suspect in by_name and by_name[suspect] not in chosen:
+        chosen.append(by_name[suspect])
+    return chosen[:width]
+
+
 @dataclass
 class AttemptEnd:
     codes: list[int]  # exit codes of the node launchers, in node order, after the teardown
@@ -149,14 +178,16 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 env: dict[str, str], attempt: int, stop: threading.Event,
                 preempt: threading.Event, log_dir=None, launcher=None,
                 warm: WarmLaunchers | None = None, start_method: str = "fork",
-                started: Callable[[], bool] | None = None) -> AttemptEnd:  # fmt: skip
+                started: Callable[[], bool] | None = None,
+                spares: list[Node] = ()) -> AttemptEnd:  # fmt: skip
     """Runs one attempt on `nodes` until it ends, fails or is stopped.
     `stop`: tear down now (the monitor saw a fault); `preempt`: forward SIGTERM to every
     node's launcher (which passes it to the ranks) and give the last-gasp checkpoint time.
     `launcher` (resilience.control = "store"): wraps each node's launcher in its node agent
     (.command, .env) and tears a node down its own way (.kill). `warm`: where this attempt's
     launchers may already be waiting, and the next attempt's are started once `started()`
-    says the ranks are training (fork only: a spawning launcher gains nothing from its imports)."""
+    says the ranks are training (fork only: a spawning launcher gains nothing from its imports),
+    on `spares` (hot spare nodes) too."""
     own_warm = warm is None
     warm = warm or WarmLaunchers(log_dir, launcher)
     warm.retire(attempt, nodes)
@@ -201,7 +232,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S
             ):
                 try:
-                    warm.prepare(attempt + 1, nodes)
+                    warm.prepare(attempt + 1, [*nodes, *spares])
                 except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
                     log.warning("could not start the next attempt's launchers: %s", e)
             time.sleep(0.05)

@@ -83,6 +83,10 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
             "resilience.snapshot_every=0", "resilience.nan_guard=false",
             "resilience.last_gasp=false"]  # fmt: skip
     hb_dir = run_dir / "resilience" / "hb"
+    # torchrun has no hot spares: it runs on the nodes a supervised job with them starts on.
+    from wanka.config import load_config
+
+    spare_nodes = load_config(config, overrides).resilience.spare_nodes
     timeline = TimelineWriter(run_dir / "resilience" / "timeline.jsonl", attempt=0)
     driver = None
     t_job, submissions, rc = time.time(), 0, 1
@@ -94,7 +98,8 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
         # A plain training script dies on a failed checkpoint write (torchrun then restarts it).
         env = {**os.environ, "WANKA_HB_DIR": str(hb_dir), "WANKA_TIMELINE": "1",
                "OMP_NUM_THREADS": "1", "WANKA_CHECKPOINT_FAILURES": "fatal"}  # fmt: skip
-        procs = _submit(target, nproc, max_restarts, env, log, cluster_state, submissions)
+        procs = _submit(target, nproc, max_restarts, env, log, cluster_state, submissions,
+                        spare_nodes)  # fmt: skip
         if driver is None:
             driver = ChaosDriver(parse_schedule(schedule), run_dir, job_id(run_dir), "/dev/shm/wanka",
                                  timeline, job_pid=procs[0].pid)  # fmt: skip
@@ -126,7 +131,8 @@ def run_baseline(config: str | None, overrides: list[str], nproc: int, run_dir: 
 
 
 def _submit(target: list[str], nproc: int, max_restarts: int, env: dict, log,
-            cluster_state: str | None, submission: int) -> list[subprocess.Popen]:  # fmt: skip
+            cluster_state: str | None, submission: int,
+            spare_nodes: int = 0) -> list[subprocess.Popen]:  # fmt: skip
     restarts = f"--max-restarts={max_restarts}"
     if cluster_state is None:
         # --standalone: a fresh c10d rendezvous per restart round, as users run single-node jobs
@@ -138,14 +144,16 @@ def _submit(target: list[str], nproc: int, max_restarts: int, env: dict, log,
     import uuid
 
     from wanka.cluster import nodes as nd
-    from wanka.cluster.launch import RDZV_PORT, torchrun_argv
+    from wanka.cluster.launch import RDZV_PORT, job_nodes, torchrun_argv
     from wanka.cluster.state import require
 
     st = require(cluster_state or None)
+    nodes = job_nodes(st, spare_nodes)
     rdzv_id, port = f"drill-{uuid.uuid4().hex[:8]}", RDZV_PORT + 50 + submission % 50
-    return [nd.popen(n, torchrun_argv(st, i, nproc, target, rdzv_id, port, extra=[restarts]),
+    return [nd.popen(n, torchrun_argv(st, i, nproc, target, rdzv_id, port, nodes=nodes,
+                                      extra=[restarts]),
                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            for i, n in enumerate(st.nodes)]  # fmt: skip
+            for i, n in enumerate(nodes)]  # fmt: skip
 
 
 def _drive(procs: list[subprocess.Popen], driver: ChaosDriver, hb_dir: Path,

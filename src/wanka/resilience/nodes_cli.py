@@ -76,16 +76,34 @@ def _snapshot_section(snapshot_dir: str) -> None:
 
 def _clean(a: argparse.Namespace) -> int:
     from wanka.config import load_config
-    from wanka.train.run_lock import folder_lines, human_bytes, remove_folder, snapshot_folders
 
     cfg = load_config(a.config, a.set).resilience
     root = a.snapshot_dir or cfg.snapshot_dir
     max_age = cfg.snapshot_max_age_h if a.max_age_h is None else a.max_age_h
+    places = [(root, "")]
+    if a.cluster or a.cluster_state:  # each node's own memory, as the host sees it
+        from wanka.cluster.nodes import node_path
+        from wanka.cluster.state import require
+
+        for n in require(a.cluster_state).nodes:
+            where = node_path(n, root)
+            if where is not None:
+                places.append((str(where), f"node {n.name}: "))
+    rc = 0
+    for where, label in places:
+        rc |= _clean_one(a, where, label, max_age)
+    return rc
+
+
+def _clean_one(a: argparse.Namespace, root: str, label: str, max_age: float) -> int:
+    """List, and with --snapshots/--all remove, the job folders under one snapshot root."""
+    from wanka.train.run_lock import folder_lines, human_bytes, remove_folder, snapshot_folders
+
     folders = snapshot_folders(root)
     if not folders:
-        print(f"no in-memory snapshots in {root}")
+        print(f"{label}no in-memory snapshots in {root}")
         return 0
-    print(f"in-memory snapshots in {root} (stale: not live and idle > {max_age:g} h):")
+    print(f"{label}in-memory snapshots in {root} (stale: not live and idle > {max_age:g} h):")
     for line in folder_lines(folders, max_age):
         print("  " + line)
     if not (a.snapshots or a.all):
@@ -98,7 +116,7 @@ def _clean(a: argparse.Namespace) -> int:
     for f in doomed:
         if f not in freed:
             print(f"could not remove {f.path}")
-    print(f"freed {human_bytes(sum(f.bytes for f in freed))} in {len(freed)} folder(s)")
+    print(f"{label}freed {human_bytes(sum(f.bytes for f in freed))} in {len(freed)} folder(s)")
     return 0 if len(freed) == len(doomed) else 1
 
 
@@ -178,6 +196,13 @@ def add_clean_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--max-age-h", type=float, default=None,
                    help="stale after this many idle hours (default: "
                         "resilience.snapshot_max_age_h)")  # fmt: skip
+    c.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also each cluster-in-a-box node's own memory (the default cluster)",
+    )
+    c.add_argument("--cluster-state", default=None, metavar="DIR",
+                   help="also each node's own memory, of the cluster in DIR")  # fmt: skip
     what = c.add_mutually_exclusive_group()
     what.add_argument("--snapshots", action="store_true",
                       help="remove the stale folders (not live, idle over the age limit)")  # fmt: skip

@@ -191,9 +191,10 @@ class StoreControl:
     def home(self):
         return self.primary.node
 
-    def begin(self, attempt: int, nodes: list) -> None:
-        """Before attempt `attempt` starts on `nodes`."""
-        names = [n.name for n in nodes]
+    def begin(self, attempt: int, nodes: list, spare_nodes: list = ()) -> None:
+        """Before attempt `attempt` starts on `nodes`; `spare_nodes`: hot spares, where a store
+        may live too (the standby prefers one: no ranks to compete with, no rank's fault)."""
+        names = [n.name for n in [*nodes, *spare_nodes]]
 
         def usable(st: StoreProcess | None) -> bool:
             return st is not None and st.alive() and st.node.name in names
@@ -228,20 +229,21 @@ class StoreControl:
                 self.primary, self.standby = self.standby, None
             else:
                 self.primary = self._start_on(
-                    nodes, avoid=(old.node.name if old else None, faulted)
+                    [*nodes, *spare_nodes], avoid=(old.node.name if old else None, faulted)
                 )
         elif spares is not None and spares is not old and self.sup._warm is not None:
             self.sup._warm.close()  # they were told a store that does not serve this attempt
         if lost or (old is not None and old.node.name not in names):
             log.warning("control store moved from %s to %s (%s:%d)", old.node.name,
                         self.home.name, self.home.addr, self.server.port)  # fmt: skip
-        self._keep_standby(nodes)
+        self._keep_standby([*spare_nodes, *nodes])
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
         self.nodes = names
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
-                                       AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes)  # fmt: skip
+                                       AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes,
+                                       home=self.home.name)  # fmt: skip
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
 
@@ -271,7 +273,8 @@ class StoreControl:
                          f"store: {'; '.join(errors)}")  # fmt: skip
 
     def _keep_standby(self, nodes: list) -> None:
-        """A standby store on another node than the primary's (none with one node)."""
+        """A standby store on another node than the primary's (none with one node), the first
+        of `nodes` that can serve one."""
         st = self.standby
         if st is not None and (not st.alive() or st.node.name not in {n.name for n in nodes}):
             stop_store(st.proc)

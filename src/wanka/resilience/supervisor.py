@@ -162,6 +162,12 @@ class Supervisor:
                 print(f"{self.says} {line}", file=sys.stderr, flush=True)
 
             self.chaos.cluster = NodeActions(cluster_state or None)
+            # Nodes the job trains on; the others stand by as hot spares.
+            self.width = len(self.cluster.nodes) - self.rc.spare_nodes
+            if self.width < 1:
+                raise ValueError(f"resilience.spare_nodes={self.rc.spare_nodes} leaves no node to "
+                                 f"train on: the cluster has {len(self.cluster.nodes)}; set it "
+                                 "below that")  # fmt: skip
             if any(f.kind == "link_cut" for f in self.chaos.faults):
                 for n in self.cluster.nodes:  # a drill killed during a cut left a link down
                     try:
@@ -178,6 +184,7 @@ class Supervisor:
         self._preempt = threading.Event()
         self._warned: set[str] = set()
         self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
+        self.nodes: list = []  # the cluster nodes of the current attempt, in node-rank order
 
     # -- one attempt -------------------------------------------------------------------------
     def _launch_config(self):
@@ -219,8 +226,14 @@ class Supervisor:
         self.chaos.restore_due()  # a cut that ended between attempts, before the first poll
         self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
         stop = threading.Event()
+        if self.cluster is not None:
+            prev, self.nodes = self.nodes, self.attempt_nodes()
+            if prev and (moved := [n.name for n in self.nodes if n not in prev]):
+                print(f"{self.says} hot spare {', '.join(moved)} takes the place of "
+                      f"{', '.join(n.name for n in prev if n not in self.nodes)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         if self.control is not None:
-            self.control.begin(attempt, self.active_nodes())
+            self.control.begin(attempt, self.nodes, self.spare_nodes())
         watch = self.control.watch if self.control is not None else self._watch
         watcher = threading.Thread(target=watch, args=(hb_dir, attempt, out, stop),
                                    name="wanka-monitor", daemon=True)  # fmt: skip
@@ -300,6 +313,20 @@ class Supervisor:
         evicted = self.ledger.evicted()
         return [n for n in self.cluster.nodes if n.name not in evicted]
 
+    def attempt_nodes(self) -> list:
+        """The next attempt's nodes: the last attempt's, with a hot spare in the place of a
+        node that was named lost or hung, or evicted (resilience/cluster_attempt.py)."""
+        from wanka.resilience.cluster_attempt import SUSPECT_CAUSES, choose_nodes
+
+        last = self.outcomes[-1] if self.outcomes else None
+        suspect = last.node if last is not None and last.cause in SUSPECT_CAUSES else None
+        return choose_nodes(self.active_nodes(), [n.name for n in self.nodes], self.width,
+                            suspect)  # fmt: skip
+
+    def spare_nodes(self) -> list:
+        """Active nodes the current attempt does not train on."""
+        return [n for n in self.active_nodes() if n not in self.nodes]
+
     def _cluster_attempt(
         self, attempt: int, env: dict, out: Outcome, stop: threading.Event
     ) -> None:
@@ -312,11 +339,11 @@ class Supervisor:
             self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
         # Ranks fork from the warm launcher; CUDA/NPU state does not survive a fork.
         fork = resolve_device_type(self.cfg.run.device) == "cpu"
-        end = run_attempt(self.cluster, self.active_nodes(), self.nproc, self.worker_argv, env,
+        end = run_attempt(self.cluster, self.nodes, self.nproc, self.worker_argv, env,
                           attempt, stop, self._preempt, self.run_dir / "logs",
                           launcher=self.control, warm=self._warm,
                           start_method="fork" if fork else "spawn",
-                          started=lambda: out.max_step >= 0)  # fmt: skip
+                          started=lambda: out.max_step >= 0, spares=self.spare_nodes())  # fmt: skip
         if any(end.codes):
             out.codes = [c for c in end.codes if c]
             out.node = out.node or end.failed
@@ -535,13 +562,13 @@ class Supervisor:
         if not reason:
             return False
         left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
-        if left and not self._fits(len(left)):
+        if left and not self._fits(min(len(left), self.width)):
             print(f"{self.says} node {node} meets the eviction policy ({reason}) but "
                   f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
                   f"x cp={self.cfg.parallel.cp} with ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
             self.ledger.evict(node, reason)
-            left = ", ".join(n.name for n in self.active_nodes())
+            left = ", ".join(n.name for n in self.attempt_nodes())
             print(f"{self.says} evicting node {node} ({reason}); continuing on {left}",
                   file=sys.stderr, flush=True)  # fmt: skip
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
@@ -567,7 +594,7 @@ class Supervisor:
 
         nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
         if self.cluster is not None:
-            nnodes = len(self.active_nodes())
+            nnodes = len(self.attempt_nodes())
         t0 = time.time()
         report = preflight(self.cfg, self.nproc, nnodes=nnodes, live=live, rdzv=self.rdzv)
         self.timeline.event("preflight", t0, time.time(), ok=report.ok)

@@ -377,6 +377,15 @@ def sweep_snapshots(snapshot_dir: Path | str, max_age_h: float,
             if f.path.name != current and f.state(max_age_h) == "stale" and remove_folder(f)]  # fmt: skip
 
 
+def swept_line(f: SnapshotFolder, max_age_h: float, node: str | None = None) -> str:
+    """What the start-of-job sweep says about a folder it removed (`node`: in that node's own
+    memory, on the cluster-in-a-box)."""
+    of = f"of node {node} " if node else ""
+    return (f"removed stale snapshots {of}{f.path} ({human_bytes(f.bytes)}, run dir "
+            f"{f.run_dir or 'unknown'}, idle {human_age(f.idle_s)} > "
+            f"resilience.snapshot_max_age_h={max_age_h:g})")  # fmt: skip
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -428,11 +437,7 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
             current = None
         max_age = cfg.resilience.snapshot_max_age_h
         for f in sweep_snapshots(cfg.resilience.snapshot_dir, max_age, current):
-            say(
-                f"removed stale snapshots {f.path} ({human_bytes(f.bytes)}, run dir "
-                f"{f.run_dir or 'unknown'}, idle {human_age(f.idle_s)} > "
-                f"resilience.snapshot_max_age_h={max_age:g})"
-            )
+            say(swept_line(f, max_age))
         yield lock
     finally:
         lock.release()
