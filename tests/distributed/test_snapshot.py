@@ -113,3 +113,43 @@ def test_snapshot_replica_restores_a_lost_node(tmp_path):
     # Rank 1's own copy was re-created from the replica, for the next fault.
     rank1 = tmp_path / "shm" / "job" / "n1" / "rank1"
     assert len(list(rank1.glob("step-00000002.s?.w2-*.meta"))) == 1
+
+
+def _moved_ranks(root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from wanka.resilience.snapshot import SnapshotStore
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    w = torch.arange(6, dtype=torch.float32) + 10 * rank
+    store = SnapshotStore(root, "job", f"n{rank}", rank, 2, 1, replica=True, signature="w2-x")
+    for step in (1, 2):
+        store.save(step, {"w": w * step})
+    store.wait()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(f"{root}/job/n0")  # n0 lost; n1 holds rank 1's copy and rank 0's replica
+    dist.barrier()
+    # A hot spare n2 took n0's place, but the rendezvous numbers nodes by address: rank 0 now
+    # runs on n1, rank 1 on n2 (empty). Rank 0 finds its own state in n1's replica folder,
+    # rank 1 gets its copy from n1 (from rank 0) over the network.
+    moved = SnapshotStore(root, "job", ["n1", "n2"][rank], rank, 2, 1, replica=True,
+                          signature="w2-x")  # fmt: skip
+    step, state = moved.restore()
+    assert step == 2 and torch.equal(state["w"], w * 2), (rank, step, state)
+    moved.save(3, {"w": w * 3})  # and it goes on saving, with its replica
+    moved.wait()
+    assert moved.restore()[0] == 3
+    moved.close()
+    store.close()
+    dist.barrier()
+    if rank == 0:
+        open(out, "w").write("ok")
+    dist.destroy_process_group()
+
+
+def test_ranks_that_moved_to_other_nodes_restore_from_any_copy_there(tmp_path):
+    out = tmp_path / "ok"
+    spawn(2, _moved_ranks, str(tmp_path / "shm"), str(out))
+    assert out.read_text() == "ok"

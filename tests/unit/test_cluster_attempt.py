@@ -201,7 +201,7 @@ def _nodes(*names: str) -> list[Node]:
     [
         ("n0 n1 n2", "", 2, None, "n0 n1"),  # the first attempt: the first `width` nodes
         ("n0 n1 n2", "n0 n1", 2, None, "n0 n1"),  # no node suspect: the same nodes
-        # A lost node's place (its node rank, so its ranks) goes to the spare; n0 keeps rank 0.
+        # A lost node's place goes to the spare; the first node still hosts the rendezvous.
         ("n0 n1 n2", "n0 n1", 2, "n1", "n0 n2"),
         ("n0 n1 n2", "n0 n1", 2, "n0", "n2 n1"),
         ("n0 n1 n2", "n0 n2", 2, "n2", "n0 n1"),  # the node it replaced is the spare now
@@ -218,18 +218,16 @@ def test_a_spare_takes_the_place_of_a_suspect_or_evicted_node(active, prev, widt
     assert [n.name for n in got] == chosen.split()
 
 
-def test_the_next_attempts_launchers_also_wait_on_the_spare_nodes(stand_ins):
+def test_the_next_attempts_launchers_also_wait_on_the_spare_nodes(stand_ins, monkeypatch):
     started, _ = stand_ins
     warm = ca.WarmLaunchers(None)
     spare = _nodes("n2")
-    orders = {"n0": "exit:0:0.5", "n1": "exit:0:0.5"}
     real_give = ca._give_orders
-    ca._give_orders = lambda p, o: real_give(p, {**o, "argv": [orders["n0"]]})
-    try:
-        end = ca.run_attempt(STATE, NODES, 1, ["train"], {}, 1, threading.Event(),
-                             threading.Event(), warm=warm, started=lambda: True, spares=spare)  # fmt: skip
-    finally:
-        ca._give_orders = real_give
+    monkeypatch.setattr(
+        ca, "_give_orders", lambda p, o: real_give(p, {**o, "argv": ["exit:0:0.5"]})
+    )
+    end = ca.run_attempt(STATE, NODES, 1, ["train"], {}, 1, threading.Event(), threading.Event(),
+                         warm=warm, started=lambda: True, spares=spare)  # fmt: skip
     assert end.codes == [0, 0]
     assert sorted(warm.ready) == [(2, "n0"), (2, "n1"), (2, "n2")]
     warm.close()

@@ -332,15 +332,17 @@ def test_a_silent_agent_is_node_lost_and_its_ranks_are_not_blamed(job):
     assert f.describe() == "node n2: node_lost (agent silent for 2.0 s, limit 1.0 s)"
 
 
-def _three_nodes(server, tmp_path, home: str):
-    """Ranks 0, 1, 2 on nodes n0, n1, n2; the store on `home`."""
+def _three_nodes(server, tmp_path, home: str, starting: bool = False):
+    """Ranks 0, 1, 2 on nodes n0, n1, n2; the store on `home`; `starting`: ranks not yet past
+    start-up (their agents get the 5 s agent time-out, not the 1 s hang limit)."""
     agents = {n: client(server) for n in ("n0", "n1", "n2")}
     now = time.time()
     done = {"data": 0.05, "forward": 0.2, "backward": 0.3, "optimizer": 0.1}
     for r, (n, c) in enumerate(agents.items()):
         c.register_node(n)
         c.beat_agent(n, 0.1)
-        c.publish_rank(r, record(3, "forward", now - 0.1, done=done), n, "S")
+        rec = record(-1, "init", now) if starting else record(3, "forward", now - 0.1, done=done)
+        c.publish_rank(r, rec, n, "S")
     timeouts = Timeouts(tmp_path / "t.json", factor=3.0, floor=1.0, initial=5.0)
     c = Coordinator(server, 3, timeouts, agent_timeout_s=5.0, attempt=1,
                     nodes=list(agents), home=home)  # fmt: skip
@@ -361,6 +363,19 @@ def test_every_other_node_silent_at_once_is_the_stores_node_cut_off(tmp_path, se
     assert (f.cause, f.rank, f.node) == ("node_lost", None, home)
     assert f"unreachable from every other node ({silent})" in f.detail
     assert f.describe().endswith("its link is cut)")
+
+
+def test_nodes_that_went_quiet_one_after_the_other_are_not_the_stores_node(tmp_path, server):
+    # n2 goes quiet at 0, n1 at 2 s: two deaths, not one cut (a cut silences both at once).
+    c, agents, now = _three_nodes(server, tmp_path, "n0", starting=True)
+    for t in (1.0, 2.0):
+        for n in ("n0", "n1"):
+            agents[n].beat_agent(n, 0.1)
+        assert c.check(now + t) is None
+    for t in (3.5, 5.5):
+        agents["n0"].beat_agent("n0", 0.1)
+        f = c.check(now + t)
+    assert (f.cause, f.node) == ("node_lost", "n2")
 
 
 def test_one_silent_node_of_three_is_that_node_lost(tmp_path, server):

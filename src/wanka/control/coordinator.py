@@ -140,6 +140,11 @@ class Coordinator:
             return None
         if not all(self._late(n, now) for n in others):
             return None
+        # A cut link silences every other node at one moment (within a poll or two); nodes
+        # that died one after the other are each their own fault.
+        last = [self._heard[n][1] for n in others]
+        if max(last) - min(last) > LATE_MIN_S:
+            return None
         quiet = min(silent[n] for n in others)
         beat = "while its own agent beat" if home in silent else "at once"
         detail = (f"the control store on it was unreachable from every other node "

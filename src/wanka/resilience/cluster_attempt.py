@@ -136,9 +136,11 @@ SUSPECT_CAUSES = ("node_lost", "hang")
 
 def choose_nodes(active: list[Node], prev: list[str], width: int,
                  suspect: str | None = None) -> list[Node]:  # fmt: skip
-    """The nodes of the next attempt, in node-rank order: the previous attempt's, except that a
-    spare (an active node not in it) takes the place of the `suspect` one and of any no longer
-    active (evicted), so every other node keeps its ranks and their snapshots. Without a spare a
+    """The nodes of the next attempt: the previous attempt's, except that a spare (an active
+    node not in it) takes the place of the `suspect` one and of any no longer active (evicted);
+    the first hosts the rendezvous. (torch's c10d rendezvous numbers the nodes by address, so a
+    spare may shift which node runs which ranks: each rank restores from whatever snapshot
+    copies its node holds, its own or replicas, resilience/snapshot.py.) Without a spare a
     suspect node stays (it may be back) and an evicted one is dropped (the job shrinks)."""
     by_name = {n.name: n for n in active}
     spares = [n for n in active if n.name not in prev and n.name != suspect]

@@ -306,15 +306,15 @@ class SnapshotStore:
 
     # -- restoring (collective: every rank calls it) -----------------------------------------
     def restore(self) -> tuple[int, dict] | None:
-        """Agree on the newest step every rank can get (own copy or a replica anywhere), fetch
-        missing ones from their holders, return (step, state) or None if some rank has none."""
+        """Agree on the newest step every rank can get (a copy anywhere), fetch missing ones
+        from their holders, return (step, state) or None if some rank has none."""
+        # Every copy on my node, whoever's: after a hot spare took a lost node's place, the
+        # rendezvous numbers the nodes by address, so my rank may be one this node held
+        # another's copies of (its own folder or a replica it received).
+        where = self._copies_here()
         mine = {"rank": self.rank, "sig": self.signature, "have": {}}
-        # What I hold: my own snapshots and the replicas I received (they live on my node).
-        mine["have"][self.rank] = [s for s, _ in _committed(self.dir, self.signature)]
-        if self.recv_from is not None:
-            mine["have"][self.recv_from] = [
-                s for s, _ in _committed(self.replica_dir, self.signature)
-            ]
+        for owner, step in where:
+            mine["have"].setdefault(owner, []).append(step)
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
         if any(g["sig"] != self.signature for g in gathered):
@@ -328,17 +328,37 @@ class SnapshotStore:
         if not common:
             return None
         step = max(common)
-        self._fetch(step, holders)
-        return step, self._load(self.dir, step)
+        fetched = self._fetch(step, holders, where)
+        return step, self._load(fetched or where[self.rank, step], step)
 
-    def _fetch(self, step: int, holders: dict[int, dict[int, list[int]]]) -> None:
-        """Ranks that lost their copy of `step` get it back from a replica holder (pairwise
-        transfers over the default group, in the same order on every rank)."""
+    def _copies_here(self) -> dict[tuple[int, int], Path]:
+        """(owner rank, step) -> the folder on this node holding that committed copy (own
+        folders of any rank, replicas received), within world size; my own folder first."""
+        node_dir = self.dir.parent
+        found: dict[tuple[int, int], Path] = {}
+        dirs = [self.dir, *sorted(node_dir.glob("rank*")), *sorted(node_dir.glob("replica-rank*"))]
+        for d in dirs:
+            try:
+                owner = int(d.name.rsplit("rank", 1)[1])
+            except ValueError:
+                continue
+            if not 0 <= owner < self.world:
+                continue
+            for step, _ in _committed(d, self.signature):
+                found.setdefault((owner, step), d)
+        return found
+
+    def _fetch(self, step: int, holders: dict[int, dict[int, list[int]]],
+               where: dict[tuple[int, int], Path]) -> Path | None:  # fmt: skip
+        """Ranks that lack a copy of `step` get it from a holder (pairwise transfers over the
+        default group, in the same order on every rank); returns where mine now is, if it was
+        fetched."""
         need = [r for r in range(self.world) if r not in holders[r][step]]
+        got = None
         for owner in need:
             src = min(holders[owner][step])
             if self.rank == src:
-                meta, data = _read(self.replica_dir, step, self.signature)
+                meta, data = _read(where[owner, step], step, self.signature)
                 for payload in (meta, data):
                     t = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                     dist.send(torch.tensor([t.numel()]), owner)
@@ -361,6 +381,8 @@ class SnapshotStore:
                 _atomic_write(
                     self.dir / _meta_name(step, slot, self.signature), parts[0].numpy().tobytes()
                 )
+                got = self.dir
+        return got
 
     def _load(self, d: Path, step: int) -> dict:
         meta_bytes, data = _read(d, step, self.signature)

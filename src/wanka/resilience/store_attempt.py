@@ -239,7 +239,7 @@ class StoreControl:
         self._keep_standby([*spare_nodes, *nodes])
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
-        self.nodes = names
+        self.nodes = [n.name for n in nodes]  # watched: the attempt's, never a spare
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
                                        AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -162,12 +163,15 @@ class Supervisor:
                 print(f"{self.says} {line}", file=sys.stderr, flush=True)
 
             self.chaos.cluster = NodeActions(cluster_state or None)
-            # Nodes the job trains on; the others stand by as hot spares.
-            self.width = len(self.cluster.nodes) - self.rc.spare_nodes
+            # Nodes the job trains on; the other healthy ones stand by as hot spares.
+            healthy = len(self.active_nodes())
+            self.width = healthy - self.rc.spare_nodes
             if self.width < 1:
+                evicted = len(self.cluster.nodes) - healthy
                 raise ValueError(f"resilience.spare_nodes={self.rc.spare_nodes} leaves no node to "
-                                 f"train on: the cluster has {len(self.cluster.nodes)}; set it "
-                                 "below that")  # fmt: skip
+                                 f"train on: the cluster has {healthy} healthy node(s)"
+                                 + (f" ({evicted} evicted, see `wanka nodes`)" if evicted else "")
+                                 + "; set it below that")  # fmt: skip
             if any(f.kind == "link_cut" for f in self.chaos.faults):
                 for n in self.cluster.nodes:  # a drill killed during a cut left a link down
                     try:
@@ -444,8 +448,10 @@ class Supervisor:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> int:
+        rc = 1
         try:
-            return self._run()
+            rc = self._run()
+            return rc
         finally:  # a job that wrote no snapshot (e.g. stopped in pre-flight) leaves no folder
             from wanka.train.run_lock import drop_owner_if_alone
 
@@ -453,7 +459,19 @@ class Supervisor:
                 self._warm.close()
             if self.control is not None:
                 self.control.close()
+            if rc == 0 and self.cluster is not None:
+                self._drop_node_snapshots()
             drop_owner_if_alone(Path(self.rc.snapshot_dir) / self.job)
+
+    def _drop_node_snapshots(self) -> None:
+        """A finished job needs no snapshot: the copies nodes kept of ranks that moved away
+        (a hot spare took their node's place) go too, not only the last ranks' own."""
+        from wanka.cluster.nodes import node_path
+
+        for n in self.cluster.nodes:
+            where = node_path(n, self.rc.snapshot_dir)
+            if where is not None:
+                shutil.rmtree(where / self.job, ignore_errors=True)
 
     def _run(self) -> int:
         import wanka.train.trainer  # noqa: F401  (imported once here, inherited by every fork)
@@ -564,7 +582,7 @@ class Supervisor:
         left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
         if left and not self._fits(min(len(left), self.width)):
             print(f"{self.says} node {node} meets the eviction policy ({reason}) but "
-                  f"{len(left)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
+                  f"{min(len(left), self.width)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
                   f"x cp={self.cfg.parallel.cp} with ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
             self.ledger.evict(node, reason)
