@@ -7,11 +7,11 @@ wait until it trains, then:
 
 Each process's user+system time is read at the start and at the end of the window; the
 difference over the window's wall time is its CPU share (100% = one core). Processes are
-grouped by what they are, from their command lines and parents:
+grouped by what they are, from the module their command line runs and their parents:
 rank (a child of a node launcher: ranks fork from it), launcher (wanka.resilience.node_launch
-with ranks), spare launcher (one waiting for its orders: no children), agent
-(wanka.control.agent), store (wanka.control.store_server), supervisor (`wanka train|distill|rl|sft`
-itself), torchrun (torch.distributed.run), other python.
+with ranks), spare launcher (one waiting for its orders: no children), agent and spare agent
+(wanka.control.agent, whose launcher has ranks or not), store (wanka.control.store_server),
+supervisor (`wanka train|distill|rl|sft` itself), torchrun (torch.distributed.run).
 """
 
 from __future__ import annotations
@@ -51,25 +51,34 @@ def _snapshot() -> dict[int, tuple[int, float, list[str]]]:
     return out
 
 
+def _module(cmd: list[str]) -> str:
+    """The module a python command line runs (`python -m MODULE ...`), or ""."""
+    return cmd[cmd.index("-m") + 1] if "-m" in cmd[:-1] else ""
+
+
 def kind_of(pid: int, procs: dict[int, tuple[int, float, list[str]]]) -> str | None:
     """What a process is (None: not part of a wanka job)."""
     ppid, _, cmd = procs[pid]
-    line = " ".join(cmd)
-    parent = " ".join(procs[ppid][2]) if ppid in procs else ""
-    if "wanka.resilience.node_launch" in line:
-        if "wanka.resilience.node_launch" in parent:
+    module = _module(cmd)
+    parent = _module(procs[ppid][2]) if ppid in procs else ""
+    if module == "wanka.resilience.node_launch":
+        if parent == "wanka.resilience.node_launch":
             return "rank"
         children = [q for q, (pp, _, _) in procs.items() if pp == pid]
         return "launcher" if children else "spare launcher"
-    if "wanka.control.agent" in line:
-        return "agent"
-    if "wanka.control.store_server" in line:
+    if module == "wanka.control.agent":
+        children = [q for q, (pp, _, _) in procs.items() if pp == pid]
+        busy = any(_module(procs[q][2]) == "wanka.resilience.node_launch"
+                   and any(pp == q for pp, _, _ in procs.values()) for q in children)  # fmt: skip
+        return "agent" if busy else "spare agent"
+    if module == "wanka.control.store_server":
         return "store"
-    if "torch.distributed.run" in line:
+    if module == "torch.distributed.run":
         return "torchrun"
+    line = " ".join(cmd)
     if any(w in cmd for w in ("train", "distill", "rl", "sft")) and "wanka" in line:
         # The supervisor, or a rank spawned by torchrun (its parent is torchrun).
-        return "rank" if "torch.distributed.run" in parent else "supervisor"
+        return "rank" if parent == "torch.distributed.run" else "supervisor"
     return None
 
 
