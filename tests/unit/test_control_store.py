@@ -3,9 +3,12 @@ and errors, one node agent polled by hand, and the coordinator's rules on publis
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -539,47 +542,82 @@ def control(tmp_path, monkeypatch):
     return sc, sup, nodes, closes, stopped
 
 
-def test_the_next_attempt_uses_the_store_its_spares_were_told(control):
+def test_the_store_stays_until_lost_or_faulted_and_the_standby_takes_over(control):
     sc, sup, nodes, closes, stopped = control
     sc.primary = p = _FakeStore("n0")
     sc.begin(1, nodes)
     s = sc.standby
     assert s is not None and s.node.name == "n1"  # on another node than the primary's
-    sc.command(nodes[2], ["x"], 2)  # a spare for attempt 2: told the standby
-    assert sc.spares_on is s
-    sup.outcomes.append(SimpleNamespace(node="n2"))  # a rank on n2 crashed
+    sup.outcomes.append(SimpleNamespace(node="n2"))  # a rank on n2 crashed: nothing moves
     sc.begin(2, nodes)
-    assert sc.primary is s and sc.standby is p and closes == []  # swapped, spares kept
-    # The standby's node is the one the last fault was named on: never moved onto it.
-    sc.command(nodes[2], ["x"], 3)
-    sup.outcomes.append(SimpleNamespace(node="n0"))
-    sc.begin(3, nodes)
-    assert sc.primary is s and p.proc in stopped and closes == [1]  # spares told n0: dropped
-    assert sc.standby.node.name == "n2"  # a new standby, not on n0
-    # The primary's node lost: the standby takes over (spares were told it).
-    sc.command(nodes[2], ["x"], 4)
-    s.up = False
+    assert sc.primary is p and sc.standby is s
+    # The standby's node is the one the last fault was named on: replaced, never used.
     sup.outcomes.append(SimpleNamespace(node="n1"))
+    sc.begin(3, nodes)
+    assert sc.primary is p and s.proc in stopped and sc.standby.node.name == "n2"
+    # The primary's node named (a cut link, a frozen host: its store may look alive): the
+    # standby serves.
+    sup.outcomes.append(SimpleNamespace(node="n0"))
     sc.begin(4, nodes)
-    assert sc.primary.node.name == "n2" and sc.standby.node.name == "n0"
+    assert sc.primary.node.name == "n2" and p.proc in stopped and sc.standby.node.name == "n1"
+    # The primary lost: the standby serves.
+    sc.primary.up = False
+    sup.outcomes.append(SimpleNamespace(node="n2"))
+    sc.begin(5, nodes)
+    assert sc.primary.node.name == "n1" and sc.standby.node.name == "n0"
+    assert closes == []  # warm launchers never depend on which store serves
 
 
-def test_a_standby_still_starting_leaves_the_spares_on_the_primary(control):
+def test_launchers_learn_the_store_from_their_orders(control):
     sc, sup, nodes, closes, stopped = control
     sc.primary = _FakeStore("n0")
     sc.begin(1, nodes)
-    sc.standby.attach = lambda job, timeout_s=0: None  # not ready yet: never waited for
-    argv = sc.command(nodes[1], ["x"], 2)
-    assert sc.spares_on is sc.primary and argv[argv.index("--host") + 1] == "10.0.0.0"
+    argv = sc.command(nodes[1], ["x"], 2)  # a warm launcher for the next attempt
+    assert "--store-from-orders" in argv and "--host" not in argv
+    assert argv[argv.index("--job") + 1] == "j/a2" and argv[-2:] == ["--", "x"]
+    orders = sc.orders({"argv": ["train"]})
+    assert orders == {"argv": ["train"], "store": {"host": "10.0.0.0", "port": 29400}}
 
 
 def test_the_standby_store_prefers_a_hot_spare_node(control):
     sc, sup, nodes, closes, stopped = control
     sc.begin(1, nodes[:2], spare_nodes=nodes[2:])
     assert sc.primary.node.name == "n0" and sc.standby.node.name == "n2"
-    closes.clear()
-    # n1 lost: n2 (the spare, where the standby is) joins; the spares were told the standby.
-    sc.command(nodes[0], ["x"], 2)
+    # n1 lost: n2 (the spare, where the standby is) joins; the store stays on n0.
     sup.outcomes.append(SimpleNamespace(node="n1"))
     sc.begin(2, [nodes[0], nodes[2]], spare_nodes=[nodes[1]])
-    assert sc.primary.node.name == "n2" and sc.standby.node.name == "n0" and closes == []
+    assert sc.primary.node.name == "n0" and sc.standby.node.name == "n2"
+
+
+CHILD = "import sys; open(sys.argv[1], 'w').write(sys.stdin.read())"
+
+
+def _agent(server, tmp_path, node: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "wanka.control.agent", "--store-from-orders", "--job", "job1",
+         "--node", node, "--hb-dir", str(tmp_path / "hb"), "--poll-s", "0.1", "--",
+         sys.executable, "-c", CHILD, str(tmp_path / f"{node}.orders")],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def test_a_warm_agent_takes_its_store_from_the_orders_and_passes_the_rest_on(tmp_path, server):
+    p = _agent(server, tmp_path, "n7")
+    orders = {"argv": ["train"], "store": {"host": "127.0.0.1", "port": server.port}}
+    out, err = p.communicate((json.dumps(orders) + "\n").encode(), timeout=60)
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert json.loads((tmp_path / "n7.orders").read_text()) == {"argv": ["train"]}
+    assert "n7" in server.nodes()  # it registered with the store the orders named
+
+
+def test_a_warm_agent_dismissed_before_its_orders_exits_without_a_store(tmp_path, server):
+    p = _agent(server, tmp_path, "n8")
+    out, err = p.communicate(b"", timeout=60)  # end of input: no attempt for it
+    assert p.returncode == 0, err.decode()[-2000:]
+    assert (tmp_path / "n8.orders").read_text() == "" and "n8" not in server.nodes()
+
+
+def test_orders_without_a_store_are_one_line_and_leave_no_child(tmp_path, server):
+    p = _agent(server, tmp_path, "n9")
+    out, err = p.communicate(b'{"argv": ["train"]}\n', timeout=60)
+    assert p.returncode == 1 and "orders without a usable 'store' entry" in err.decode()

@@ -8,6 +8,9 @@ group it was given (the local torchrun and its ranks), or that of the command it
 
     python -m wanka.control.agent --host H --port P --job J --node N --hb-dir DIR [--pgid G]
     python -m wanka.control.agent --host H ... --hb-dir DIR -- torchrun ...
+    python -m wanka.control.agent --store-from-orders ... -- python -m wanka.resilience.node_launch
+        (a warm launcher: the command starts at once, the store's address comes with the
+        orders on stdin, which the agent passes on without it)
 
 With a command after `--` the agent starts it in a process group of its own (the group a stop
 kills), forwards SIGTERM to it (torchrun passes it on to its ranks: the last-gasp checkpoint),
@@ -17,6 +20,7 @@ publishes once more when it exits, and exits with its code (128 + N for signal N
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -201,8 +205,11 @@ def _read_record(path: Path) -> bytes | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wanka.control.agent", description=__doc__)
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--store-from-orders", action="store_true",
+                   help="read the launcher's orders (one JSON line) on stdin first and take the "
+                   "store's address from their 'store' entry; the rest goes to the command")  # fmt: skip
     p.add_argument("--job", required=True)
     p.add_argument("--node", default=os.environ.get("WANKA_NODE") or os.uname().nodename)
     p.add_argument("--hb-dir", type=Path, required=True)
@@ -219,13 +226,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: start and watch it")
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if a.store_from_orders and not cmd:
+        p.error("--store-from-orders needs a command (-- CMD ...) to pass the orders to")
+    if not a.store_from_orders and (a.host is None or a.port is None):
+        p.error("--host and --port are required (or --store-from-orders)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # The command starts first: its own start-up overlaps the agent's (torch for the store).
-    child = subprocess.Popen(cmd, process_group=0) if cmd else None
+    pipe = subprocess.PIPE if a.store_from_orders else None
+    child = subprocess.Popen(cmd, process_group=0, stdin=pipe) if cmd else None
     try:
         from wanka.control.store import ControlStore
 
-        store = ControlStore.connect(a.host, a.port, a.job, a.timeout_s)
+        host, port = a.host, a.port
+        if a.store_from_orders:
+            # A warm launcher does not know which store its attempt will use until its orders
+            # come: it never beats before them, and no store's loss makes it useless.
+            found = _forward_orders(child)
+            if found is None:  # dismissed (end of input before any orders)
+                return child.wait()
+            host, port = found
+        store = ControlStore.connect(host, port, a.job, a.timeout_s)
         agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt,
                           orphan_s=a.orphan_s)  # fmt: skip
     except ConnectionError as e:
@@ -241,6 +261,28 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     agent.run_until(stop)
     return 0
+
+
+def _forward_orders(child: subprocess.Popen) -> tuple[str, int] | None:
+    """Read the orders line on our stdin, pass it on to `child` without its "store" entry,
+    and return that store's (host, port); None at the end of input (the child is told so by
+    the end of its own input). Bad orders raise ConnectionError: nothing to report to."""
+    line = sys.stdin.readline()
+    if not line.strip():
+        child.stdin.close()
+        return None
+    try:
+        orders = json.loads(line)
+        store = orders.pop("store")
+        host, port = str(store["host"]), int(store["port"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConnectionError(f"orders without a usable 'store' entry ({e})") from None
+    try:
+        child.stdin.write((json.dumps(orders) + "\n").encode())
+        child.stdin.close()
+    except OSError:  # it died meanwhile: run_command sees it exit
+        pass
+    return host, port
 
 
 def run_command(agent: NodeAgent, child: subprocess.Popen, stop: threading.Event) -> int:

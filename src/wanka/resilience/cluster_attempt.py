@@ -205,6 +205,8 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 node_env = launcher.env(node, node_env, attempt)
             orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes),
                       "argv": worker_argv, "env": node_env, "start_method": start_method}  # fmt: skip
+            if launcher is not None:  # e.g. the control store's address, for the node's agent
+                orders = launcher.orders(orders)
             try:
                 p = warm.take(attempt, node)
                 if not _give_orders(p, orders):

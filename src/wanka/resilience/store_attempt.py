@@ -6,9 +6,9 @@ control plane (wanka/control/) instead of the shared run directory's heartbeat f
   supervisor reaches it as a client from a thread that entered the home's network namespace
   (the cluster's bridge has no address: nothing inside a node can reach the host's own
   namespace, nor the host a node's, except from inside). A standby store idles on another
-  node; the next attempt's warm launchers are told it, and it serves that attempt (the stores
-  alternate). If the home is lost (its store process dies: a node kill, a lost host), the
-  fault is named on it at once, the attempt is torn down, and the next one runs on the
+  node. Agents learn the store's address with their orders, so the next attempt's warm
+  launchers serve whichever store it uses. If the home is lost (its store process dies: a node
+  kill, a lost host) or is the node the last fault was named on, the next attempt runs on the
   standby, its ranks restoring from their peers' snapshots.
 * Each node runs a node agent (python -m wanka.control.agent ... -- torchrun ...) inside its
   namespace: torchrun is its child, in a process group the agent kills on a stop decision, or
@@ -159,10 +159,8 @@ class StoreControl:
     def __init__(self, sup) -> None:
         self.sup = sup
         self.primary: StoreProcess | None = None  # the store this attempt uses
-        # A second store on another node, idle: the next attempt's spares are given it, so a
-        # lost primary is replaced at once and the spares stay warm (stores alternate).
+        # A second store on another node, idle: a lost primary is replaced at once.
         self.standby: StoreProcess | None = None
-        self.spares_on: StoreProcess | None = None  # the store the spares were told
         self.store: ControlStore | None = None
         self.coordinator: Coordinator | None = None
         self.attempt, self.world = 0, 0
@@ -193,49 +191,35 @@ class StoreControl:
 
     def begin(self, attempt: int, nodes: list, spare_nodes: list = ()) -> None:
         """Before attempt `attempt` starts on `nodes`; `spare_nodes`: hot spares, where a store
-        may live too (the standby prefers one: no ranks to compete with, no rank's fault)."""
+        may live too (the standby prefers one: no ranks to compete with, no rank's fault).
+        Launchers learn the store with their orders (`orders`), so whichever store serves the
+        attempt, the warm ones started ahead of it stay usable."""
         names = [n.name for n in [*nodes, *spare_nodes]]
 
         def usable(st: StoreProcess | None) -> bool:
             return st is not None and st.alive() and st.node.name in names
 
-        spares, self.spares_on = self.spares_on, None
         old = self.primary
         lost = old is not None and not old.alive()
-        # Never onto the node the last fault was named on (a cut link, a frozen host: its store
+        # Never on the node the last fault was named on (a cut link, a frozen host: its store
         # process may look alive and be unreachable).
         faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
         if self.standby is not None and self.standby.node.name == faulted:
             stop_store(self.standby.proc)
             self.standby = None
-        if (
-            spares is not None
-            and spares is self.standby
-            and usable(spares)
-            and self._attach(spares)
-        ):
-            # The spares were told the standby: it serves this attempt; the old primary, if
-            # still fit, stands by.
-            keep = usable(old) and old.node.name != faulted
-            self.primary, self.standby = spares, old if keep else None
-            if old is not None and not keep:
-                stop_store(old.proc)
-        elif old is None or not usable(old):
+        if old is None or not usable(old) or old.node.name == faulted:
             if old is not None:
                 stop_store(old.proc)
-            if self.sup._warm is not None:  # their agents were told a store that is gone
-                self.sup._warm.close()
             if usable(self.standby) and self._attach(self.standby):
                 self.primary, self.standby = self.standby, None
             else:
                 self.primary = self._start_on(
                     [*nodes, *spare_nodes], avoid=(old.node.name if old else None, faulted)
                 )
-        elif spares is not None and spares is not old and self.sup._warm is not None:
-            self.sup._warm.close()  # they were told a store that does not serve this attempt
-        if lost or (old is not None and old.node.name not in names):
-            log.warning("control store moved from %s to %s (%s:%d)", old.node.name,
-                        self.home.name, self.home.addr, self.server.port)  # fmt: skip
+        if old is not None and self.primary is not old:
+            log.warning("control store moved from %s to %s (%s:%d)%s", old.node.name,
+                        self.home.name, self.home.addr, self.server.port,
+                        "" if lost else " (its node was named in the last fault)")  # fmt: skip
         self._keep_standby([*spare_nodes, *nodes])
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
@@ -299,20 +283,18 @@ class StoreControl:
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
-        """`argv` run by node `node`'s agent for `attempt` (started ahead of it when warm: then
-        told the standby store, the next attempt's, when there is one)."""
-        s = self.server
-        if attempt > self.attempt:
-            # Never waits (this runs in the attempt's launch loop): a standby still starting
-            # leaves the spares on the primary.
-            if self.standby is not None and self._attach(self.standby, timeout_s=0):
-                s = self.standby.client
-            self.spares_on = self.standby if s is not self.server else self.primary
-        return [sys.executable, "-m", "wanka.control.agent", "--host", s.host, "--port",
-                str(s.port), "--job", f"{self.sup.job}/a{attempt}", "--node", node.name,
+        """`argv` run by node `node`'s agent for `attempt` (started ahead of it when warm); the
+        agent takes the store's address from its orders (`orders`)."""
+        return [sys.executable, "-m", "wanka.control.agent", "--store-from-orders", "--job",
+                f"{self.sup.job}/a{attempt}", "--node", node.name,
                 "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
                 "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S),
                 "--timeout-s", str(AGENT_TIMEOUT_S / 2), "--", *argv]  # fmt: skip
+
+    def orders(self, orders: dict) -> dict:
+        """A launcher's orders with the address of the store serving this attempt."""
+        s = self.server
+        return {**orders, "store": {"host": s.host, "port": s.port}}
 
     def env(self, node, env: dict[str, str], attempt: int) -> dict[str, str]:
         return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name, attempt))}
