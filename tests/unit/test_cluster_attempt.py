@@ -231,3 +231,34 @@ def test_the_next_attempts_launchers_also_wait_on_the_spare_nodes(stand_ins, mon
     assert end.codes == [0, 0]
     assert sorted(warm.ready) == [(2, "n0"), (2, "n1"), (2, "n2")]
     warm.close()
+
+
+def test_the_launchers_hook_runs_once_when_the_ranks_train_and_not_before(stand_ins, monkeypatch):
+    started, _ = stand_ins
+    trained = threading.Event()
+    calls: list[list[str]] = []
+
+    class Launcher:  # the control store's side of an attempt (store_attempt.StoreControl)
+        env = staticmethod(lambda node, env, attempt: env)
+        orders = staticmethod(lambda orders: orders)
+
+        @staticmethod
+        def kill(name, p):
+            if p.poll() is None:
+                p.kill()
+
+        @staticmethod
+        def when_training(nodes):
+            calls.append([n.name for n in nodes])
+
+    real_give = ca._give_orders
+    monkeypatch.setattr(
+        ca, "_give_orders", lambda p, o: real_give(p, {**o, "argv": ["exit:0:1.5"]})
+    )
+    threading.Timer(0.7, lambda: (calls.append(["before"]), trained.set())).start()
+    end = ca.run_attempt(STATE, NODES, 1, ["train"], {}, 1, threading.Event(), threading.Event(),
+                         launcher=Launcher, warm=ca.WarmLaunchers(None), started=trained.is_set,
+                         spares=_nodes("n2"))  # fmt: skip
+    assert end.codes == [0, 0]
+    # Spawned once the ranks train (the timer's mark comes first), once, spares included.
+    assert calls == [["before"], ["n0", "n1", "n2"]]

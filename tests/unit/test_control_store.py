@@ -542,28 +542,38 @@ def control(tmp_path, monkeypatch):
     return sc, sup, nodes, closes, stopped
 
 
+def _attempt(sc, attempt: int, nodes: list, spares: list = ()) -> None:
+    """An attempt as run_attempt drives the store: begin, then (its ranks train) the standby."""
+    sc.begin(attempt, nodes, spare_nodes=list(spares))
+    sc.when_training([*nodes, *spares])
+
+
 def test_the_store_stays_until_lost_or_faulted_and_the_standby_takes_over(control):
     sc, sup, nodes, closes, stopped = control
     sc.primary = p = _FakeStore("n0")
     sc.begin(1, nodes)
+    assert sc.standby is None  # not under the ranks' start-up: spawned once they train
+    sc.when_training(nodes)
     s = sc.standby
     assert s is not None and s.node.name == "n1"  # on another node than the primary's
     sup.outcomes.append(SimpleNamespace(node="n2"))  # a rank on n2 crashed: nothing moves
-    sc.begin(2, nodes)
+    _attempt(sc, 2, nodes)
     assert sc.primary is p and sc.standby is s
     # The standby's node is the one the last fault was named on: replaced, never used.
     sup.outcomes.append(SimpleNamespace(node="n1"))
     sc.begin(3, nodes)
-    assert sc.primary is p and s.proc in stopped and sc.standby.node.name == "n2"
+    assert sc.primary is p and s.proc in stopped and sc.standby is None
+    sc.when_training(nodes)
+    assert sc.standby.node.name == "n2"
     # The primary's node named (a cut link, a frozen host: its store may look alive): the
     # standby serves.
     sup.outcomes.append(SimpleNamespace(node="n0"))
-    sc.begin(4, nodes)
+    _attempt(sc, 4, nodes)
     assert sc.primary.node.name == "n2" and p.proc in stopped and sc.standby.node.name == "n1"
     # The primary lost: the standby serves.
     sc.primary.up = False
     sup.outcomes.append(SimpleNamespace(node="n2"))
-    sc.begin(5, nodes)
+    _attempt(sc, 5, nodes)
     assert sc.primary.node.name == "n1" and sc.standby.node.name == "n0"
     assert closes == []  # warm launchers never depend on which store serves
 
@@ -581,11 +591,11 @@ def test_launchers_learn_the_store_from_their_orders(control):
 
 def test_the_standby_store_prefers_a_hot_spare_node(control):
     sc, sup, nodes, closes, stopped = control
-    sc.begin(1, nodes[:2], spare_nodes=nodes[2:])
+    _attempt(sc, 1, nodes[:2], nodes[2:])
     assert sc.primary.node.name == "n0" and sc.standby.node.name == "n2"
     # n1 lost: n2 (the spare, where the standby is) joins; the store stays on n0.
     sup.outcomes.append(SimpleNamespace(node="n1"))
-    sc.begin(2, [nodes[0], nodes[2]], spare_nodes=[nodes[1]])
+    _attempt(sc, 2, [nodes[0], nodes[2]], [nodes[1]])
     assert sc.primary.node.name == "n0" and sc.standby.node.name == "n2"
 
 

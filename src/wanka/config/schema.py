@@ -173,6 +173,9 @@ class ResilienceConfig:
     supervise: bool = True  # `wanka train --nproc N` runs under the supervisor
     snapshot_every: int = 1  # in-memory (shared-memory) snapshot every N steps; 0 = off
     snapshot_replica: bool = True  # copy each snapshot to a rank on another node
+    # copy a snapshot into memory under the next step's forward and backward (which only read
+    # the state), waiting for it before the optimizer step; false: copy in the step's stall
+    snapshot_overlap: bool = True
     snapshot_dir: str = "/dev/shm/wanka"  # survives the training processes, not the node
     hang_factor: float = 3.0  # phase time-out = factor x longest observed duration ...
     hang_floor_s: float = 4.0  # ... but never below this

@@ -176,6 +176,19 @@ def _first_failure(procs: dict[str, subprocess.Popen]) -> tuple[str | None, int 
     return min(failed, key=lambda nc: nc[1] >= 0)  # stable: node order among equals
 
 
+def _prepare_next(warm: WarmLaunchers, launcher, attempt: int, nodes: list[Node],
+                  start_method: str) -> None:  # fmt: skip
+    """Once the attempt trains: what the next one may need, started now rather than under
+    this one's start-up (the control store's standby; the warm launchers, fork only)."""
+    try:
+        if launcher is not None and hasattr(launcher, "when_training"):
+            launcher.when_training(nodes)
+        if start_method == "fork":
+            warm.prepare(attempt + 1, nodes)
+    except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
+        log.warning("could not start the next attempt's launchers: %s", e)
+
+
 def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: list[str],
                 env: dict[str, str], attempt: int, stop: threading.Event,
                 preempt: threading.Event, log_dir=None, launcher=None,
@@ -189,7 +202,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
     (.command, .env) and tears a node down its own way (.kill). `warm`: where this attempt's
     launchers may already be waiting, and the next attempt's are started once `started()`
     says the ranks are training (fork only: a spawning launcher gains nothing from its imports),
-    on `spares` (hot spare nodes) too."""
+    on `spares` (hot spare nodes) too; so is `launcher.when_training` (if it has one)."""
     own_warm = warm is None
     warm = warm or WarmLaunchers(log_dir, launcher)
     warm.retire(attempt, nodes)
@@ -197,7 +210,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
     port = RDZV_PORT + attempt % 50  # a torn-down store may still hold the last port briefly
     procs: dict[str, subprocess.Popen] = {}
     first_failed, own_code, t_failed = None, None, None
-    t_start = time.monotonic()
+    t_start, prepared = time.monotonic(), False
     try:
         for i, node in enumerate(nodes):
             node_env = nd.node_env(node, dict(env))
@@ -232,13 +245,11 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
             first_failed, own_code = _first_failure(procs)
             if first_failed is not None or stop.is_set():
                 break
-            if start_method == "fork" and (
+            if not prepared and (
                 (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S
             ):
-                try:
-                    warm.prepare(attempt + 1, [*nodes, *spares])
-                except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
-                    log.warning("could not start the next attempt's launchers: %s", e)
+                prepared = True
+                _prepare_next(warm, launcher, attempt, [*nodes, *spares], start_method)
             time.sleep(0.05)
         if first_failed is None and not stop.is_set() and not preempt.is_set():
             first_failed, own_code = _first_failure(procs)  # all ended before a look

@@ -4,10 +4,12 @@ A rank's snapshot lives in two *slots*, files in SNAP_DIR/<job>/<node>/rank{R}/ 
 keeps mapped (MAP_SHARED, normally on tmpfs): slot{S}.<layout>.bin holds every tensor of its
 *local* state (model and optimizer shards, RNG) back to back, and step-XXXXXXXX.s{S}.<layout>.meta
 (pickled: the tensor table, and everything that is not a tensor) commits it. Saving copies the
-live tensors straight into the slot the newest snapshot is not in (one memcpy per tensor, in
-the training thread, no serialisation), then renames the meta into place: a rank killed
-mid-copy leaves the other slot and its meta intact, and the meta of the slot being written is
-removed before the copy starts. The pages belong to the file, so they outlive the process.
+live tensors straight into the slot the newest snapshot is not in (one memcpy per tensor, no
+serialisation), then renames the meta into place: a rank killed mid-copy leaves the other slot
+and its meta intact, and the meta of the slot being written is removed before the copy starts.
+The pages belong to the file, so they outlive the process. With `overlap` the copy and commit
+run on a copier thread under the next step's forward and backward (which only read the state);
+the trainer calls `settle()` before the optimizer writes it (the CheckFreq pipeline).
 
 A copy goes to a buddy rank on another node (SNAP_DIR/<job>/<buddy node>/replica-rank{R}/, the
 same layout), sent by a background thread on its own gloo group straight from the mapped slot
@@ -29,6 +31,8 @@ import pickle
 import queue
 import shutil
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -152,7 +156,7 @@ def layout_signature(model: torch.nn.Module, world_size: int, model_config: str 
 class SnapshotStore:
     def __init__(self, root: Path, job: str, node: str, rank: int, world_size: int,
                  local_world_size: int, replica: bool, signature: str,
-                 run_dir: Path | None = None) -> None:  # fmt: skip
+                 run_dir: Path | None = None, overlap: bool = False) -> None:  # fmt: skip
         self.signature = signature  # in every file name: only the same layout restores
         self.job_dir = Path(root) / job
         self.dir = self.job_dir / node / f"rank{rank}"
@@ -178,6 +182,9 @@ class SnapshotStore:
         self._error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = None
+        # The copier (overlap): at most one copy in flight, joined by settle().
+        self._copier = ThreadPoolExecutor(1, "wanka-snapshot-copy") if overlap else None
+        self._copying: Future | None = None
         if self.send_to is not None:
             self._group = dist.new_group(backend="gloo")
             self._thread = threading.Thread(target=self._loop, name="wanka-snapshot", daemon=True)
@@ -188,7 +195,9 @@ class SnapshotStore:
     # -- writing -----------------------------------------------------------------------------
     @torch.no_grad()
     def save(self, step: int, state: dict) -> None:
-        """Copy `state` (see capture) into the free slot and commit it; queue the replica."""
+        """Copy `state` (see capture) into the free slot and commit it; queue the replica. With
+        overlap the copy runs on the copier thread: `state` must not change until settle()."""
+        self.settle()  # the previous copy first: it decides which slot is free
         if self._error is not None:
             raise RuntimeError(f"snapshot writer failed: {self._error}")
         tensors: list[torch.Tensor] = []
@@ -203,15 +212,37 @@ class SnapshotStore:
         views = self._views.get(path)
         if views is None or views[0] != table or views[1] is not buf:
             views = self._views[path] = (table, buf, _views(buf, table))
-        torch._foreach_copy_(views[2], tensors)  # one call: ~300 tensors, little Python
+        # Pickled here, not on the copier: what is not a tensor is taken as it is now.
         meta = pickle.dumps({"step": step, "table": table, "size": size, "skeleton": skeleton})
+        if self._copier is None:
+            self._copy_and_commit(step, slot, views[2], tensors, meta)
+        else:
+            self._copying = self._copier.submit(self._copy_and_commit, step, slot, views[2],
+                                                tensors, meta)  # fmt: skip
+
+    def _copy_and_commit(self, step: int, slot: int, views: list[torch.Tensor],
+                         tensors: list[torch.Tensor], meta: bytes) -> None:  # fmt: skip
+        with torch.no_grad():
+            torch._foreach_copy_(views, tensors)  # one call: ~300 tensors, little Python
         _atomic_write(self.dir / _meta_name(step, slot, self.signature), meta)
         self._newest_slot = slot
         if self._thread is not None:
             self._free[slot].clear()
             self._queue.put((step, slot, meta))
 
+    def settle(self) -> float:
+        """Wait for the copy in flight (overlap), if any; re-raises its error. Returns the
+        seconds waited (0.0 when it had finished): the stall the overlap did not hide."""
+        job, self._copying = self._copying, None
+        if job is None:
+            return 0.0
+        t0 = time.perf_counter()
+        waited = 0.0 if job.done() else None
+        job.result()
+        return waited if waited is not None else time.perf_counter() - t0
+
     def wait(self) -> None:
+        self.settle()
         self._queue.join()
         if self._error is not None:
             raise RuntimeError(f"snapshot writer failed: {self._error}")
@@ -219,6 +250,9 @@ class SnapshotStore:
     def close(self, discard: bool = False) -> None:
         """Stop the writer; `discard` (the job finished) frees this rank's shared memory."""
         self.wait()
+        if self._copier is not None:
+            self._copier.shutdown()
+            self._copier = None
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()

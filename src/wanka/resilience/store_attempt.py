@@ -220,7 +220,7 @@ class StoreControl:
             log.warning("control store moved from %s to %s (%s:%d)%s", old.node.name,
                         self.home.name, self.home.addr, self.server.port,
                         "" if lost else " (its node was named in the last fault)")  # fmt: skip
-        self._keep_standby([*spare_nodes, *nodes])
+        self._keep_standby([*spare_nodes, *nodes], spawn=False)  # spawned once training
         s = self.server
         self.attempt, self.world = attempt, self.sup.nproc * len(nodes)
         self.nodes = [n.name for n in nodes]  # watched: the attempt's, never a spare
@@ -256,14 +256,20 @@ class StoreControl:
         raise ValueError(f"resilience.control = store: no node could serve the control "
                          f"store: {'; '.join(errors)}")  # fmt: skip
 
-    def _keep_standby(self, nodes: list) -> None:
+    def when_training(self, nodes: list) -> None:
+        """The attempt's ranks train (run_attempt): start the standby store now, not under
+        their start-up, whose imports its own import would slow (spares first in `nodes`)."""
+        spares = [n for n in nodes if n.name not in self.nodes]
+        self._keep_standby([*spares, *(n for n in nodes if n not in spares)])
+
+    def _keep_standby(self, nodes: list, spawn: bool = True) -> None:
         """A standby store on another node than the primary's (none with one node), the first
-        of `nodes` that can serve one."""
+        of `nodes` that can serve one; `spawn` False: only drop one that can no longer serve."""
         st = self.standby
         if st is not None and (not st.alive() or st.node.name not in {n.name for n in nodes}):
             stop_store(st.proc)
             self.standby = None
-        if self.standby is None:
+        if self.standby is None and spawn:
             faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
             others = [n for n in nodes if n.name != self.home.name]
             for node in [n for n in others if n.name != faulted] + [

@@ -331,22 +331,38 @@ class Supervisor:
         """Active nodes the current attempt does not train on."""
         return [n for n in self.active_nodes() if n not in self.nodes]
 
+    def _forks(self) -> bool:
+        """Ranks fork from their (warm) launcher; CUDA/NPU state does not survive a fork."""
+        from wanka.device import resolve_device_type
+
+        return resolve_device_type(self.cfg.run.device) == "cpu"
+
+    def _start_first_launchers(self) -> None:
+        """A cluster job's first launchers start importing now, under the pre-flight and the
+        control store's start, as later attempts' are started under the attempt before."""
+        if self.cluster is None or not self._forks():
+            return
+        from wanka.resilience.cluster_attempt import WarmLaunchers
+
+        self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
+        try:
+            self._warm.prepare(1, self.attempt_nodes())
+        except (OSError, ValueError) as e:  # an optimisation: the attempt starts them cold
+            log.warning("could not start the first attempt's launchers early: %s", e)
+
     def _cluster_attempt(
         self, attempt: int, env: dict, out: Outcome, stop: threading.Event
     ) -> None:
-        from wanka.device import resolve_device_type
         from wanka.resilience.cluster_attempt import WarmLaunchers, run_attempt
 
         # WANKA_NODE is replaced by each node's own name (cluster/nodes.py node_env).
 
         if self._warm is None:
             self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
-        # Ranks fork from the warm launcher; CUDA/NPU state does not survive a fork.
-        fork = resolve_device_type(self.cfg.run.device) == "cpu"
         end = run_attempt(self.cluster, self.nodes, self.nproc, self.worker_argv, env,
                           attempt, stop, self._preempt, self.run_dir / "logs",
                           launcher=self.control, warm=self._warm,
-                          start_method="fork" if fork else "spawn",
+                          start_method="fork" if self._forks() else "spawn",
                           started=lambda: out.max_step >= 0, spares=self.spare_nodes())  # fmt: skip
         if any(end.codes):
             out.codes = [c for c in end.codes if c]
@@ -479,6 +495,7 @@ class Supervisor:
         t_job = time.time()
         self.timeline.event("job", t_job, None, job=self.job, node=self.node)
         self._catch_stop_requests()
+        self._start_first_launchers()
         if self.rc.preflight != "off":
             rc = self._preflight(live=self.rc.preflight == "full")
             if rc:

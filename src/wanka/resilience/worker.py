@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class Runtime:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._on_stop_signal)
         self._stack_file = None
+        self._snapshots = None
 
     def _on_stop_signal(self, signum, frame) -> None:
         self._stop = True  # acted on at the next step boundary, by every rank together
@@ -120,6 +122,19 @@ class Runtime:
             return None
         from wanka.resilience.snapshot import SnapshotStore
 
-        return SnapshotStore(Path(self.cfg.resilience.snapshot_dir), self.job_id, self.node,
-                             self.rank, world, local_world, self.cfg.resilience.snapshot_replica,
-                             signature, run_dir=Path(self.cfg.run.dir))  # fmt: skip
+        r = self.cfg.resilience
+        self._snapshots = SnapshotStore(Path(r.snapshot_dir), self.job_id, self.node, self.rank,
+                                        world, local_world, r.snapshot_replica, signature,
+                                        run_dir=Path(self.cfg.run.dir),
+                                        overlap=r.snapshot_overlap)  # fmt: skip
+        return self._snapshots
+
+    def settle_snapshot(self, step: int) -> None:
+        """Before the optimizer writes the state: the snapshot copy still running under this
+        step (resilience.snapshot_overlap) must be done; time waited for it is a stall."""
+        if self._snapshots is None:
+            return
+        waited = self._snapshots.settle()
+        if waited > 0.0:
+            now = time.time()
+            self.event("snapshot", now - waited, now, step=step, waited=True)

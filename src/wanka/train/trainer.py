@@ -264,6 +264,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     if rt.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the state, not one batch, is bad
         raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} batches in a row were bad ({bad}); stopping "
                            "so the supervisor restores the last good snapshot")  # fmt: skip
+    rt.settle_snapshot(step - 1)  # the last step's copy, which ran under this one
     rt.progress.enter("optimizer", step)
     if not skipped:
         job.optimizer.step()
