@@ -241,3 +241,13 @@ def test_cli_table_prints_an_earlier_result(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps(_doc()))
     assert main(["bench", "comm", "--table", str(tmp_path / "c.json")]) == 0
     assert "| hsdp_int8 | 0.20 | 10.00x |" in capsys.readouterr().out
+
+
+def test_convergence_verdict_tells_a_lower_loss_from_a_higher_one():
+    cases = {BASELINE: {"val_loss": 2.0, "tolerance": 0.01},
+             "hsdp_bf16": {"val_loss": 1.94, "tolerance": 0.01},
+             "hsdp_int8": {"val_loss": 2.06, "tolerance": 0.01},
+             "hsdp_powersgd": {"val_loss": 2.05, "tolerance": 0.03}}  # fmt: skip
+    report.add_convergence_diffs(cases)
+    assert [cases[n]["met"] for n in cases] == [True, False, False, True]
+    assert [cases[n]["verdict"] for n in cases] == ["met", "lower", "MISSED", "met"]

@@ -82,12 +82,16 @@ def best(links: list[dict]) -> dict[str, str | None]:
 
 
 def add_convergence_diffs(cases: dict[str, dict]) -> None:
-    """rel_diff = (val_loss - baseline's) / baseline's; met = |rel_diff| <= tolerance."""
+    """rel_diff = (val_loss - baseline's) / baseline's; met = |rel_diff| <= tolerance; verdict
+    also tells the two ways out of it apart: "lower" (a lower loss than the baseline's, past the
+    tolerance: outside the band, but not a loss of convergence) and "MISSED" (higher)."""
     base = cases.get(BASELINE, {}).get("val_loss")
     for c in cases.values():
         v = c.get("val_loss")
-        c["rel_diff"] = (v - base) / base if v is not None and base else None
-        c["met"] = None if c["rel_diff"] is None else abs(c["rel_diff"]) <= c["tolerance"]
+        d = c["rel_diff"] = (v - base) / base if v is not None and base else None
+        c["met"] = None if d is None else abs(d) <= c["tolerance"]
+        c["verdict"] = (None if d is None else "met" if c["met"] else
+                        "lower" if d < 0 else "MISSED")  # fmt: skip
 
 
 def failures(doc: dict) -> list[tuple[str, str]]:
@@ -146,7 +150,8 @@ def markdown(doc: dict) -> str:
                           _f(s["tokens_per_s"], ",.0f")]  # fmt: skip
         if conv:
             c = conv.get(n, {})
-            met = {True: "met", False: "MISSED", None: "-"}[c.get("met")]
+            met = {"met": "met", "lower": "outside (lower loss)", "MISSED": "MISSED",
+                   None: "-"}[c.get("verdict")]  # fmt: skip
             cells += [_f(c.get("val_loss"), ".4f"), _f(c.get("rel_diff"), "+.3%"),
                       f"±{c.get('tolerance', 0):.0%} {met}" if n != BASELINE else "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
