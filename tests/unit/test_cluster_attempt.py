@@ -262,3 +262,19 @@ def test_the_launchers_hook_runs_once_when_the_ranks_train_and_not_before(stand_
     assert end.codes == [0, 0]
     # Spawned once the ranks train (the timer's mark comes first), once, spares included.
     assert calls == [["before"], ["n0", "n1", "n2"]]
+
+
+def test_a_node_that_cannot_start_a_launcher_ahead_leaves_the_others_theirs(stand_ins, monkeypatch):
+    started, _ = stand_ins
+    real = ca.start_launcher
+
+    def start(node, attempt, log_dir, launcher=None):
+        if node.name == "n0":
+            raise OSError("netns gone")
+        return real(node, attempt, log_dir, launcher)
+
+    monkeypatch.setattr(ca, "start_launcher", start)
+    warm = ca.WarmLaunchers(None)
+    warm.prepare(2, NODES)
+    assert sorted(warm.ready) == [(2, "n1")]
+    warm.close()

@@ -42,8 +42,6 @@ def test_save_returns_before_the_copy_and_settle_waits_for_its_commit(tmp_path, 
     store.settle()
     assert [s for s, _ in snap._committed(store.dir, "s")] == [1]
     assert torch.equal(_saved(store, 1)["w"], w)
-    w.add_(100)  # the state changes only after settle: the snapshot keeps step 1's values
-    assert torch.equal(_saved(store, 1)["w"], torch.arange(6, dtype=torch.float32))
     store.close(discard=True)
 
 
@@ -80,4 +78,50 @@ def test_without_overlap_save_commits_before_returning(tmp_path):
     store.save(1, {"w": torch.ones(2)})
     assert [s for s, _ in snap._committed(store.dir, "s")] == [1]
     assert store.settle() == 0.0
+    store.close(discard=True)
+
+
+def _runtime(tmp_path, monkeypatch):
+    from wanka.config import JobConfig
+    from wanka.resilience.worker import Runtime
+
+    monkeypatch.setenv("WANKA_SUPERVISED", "1")
+    monkeypatch.setenv("WANKA_JOB_ID", "job")
+    cfg = JobConfig()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.resilience.snapshot_dir = str(tmp_path / "shm")
+    cfg.resilience.last_gasp = False  # no signal handlers in the test process
+    rt = Runtime(cfg, 0)
+    phases = []
+    rt.progress = type("P", (), {"enter": lambda self, ph, step=None: phases.append(ph)})()
+    return rt, phases
+
+
+def test_only_a_caller_that_settles_gets_overlapped_copies(tmp_path, monkeypatch):
+    """Post-training's loop steps its optimizer without settle_snapshot: its store must copy
+    inside save() whatever resilience.snapshot_overlap says; the trainer asks for overlap."""
+    rt, _ = _runtime(tmp_path, monkeypatch)
+    assert rt.cfg.resilience.snapshot_overlap  # the default
+    assert rt.snapshot_store(1, 1, "s")._copier is None
+    rt2, _ = _runtime(tmp_path / "b", monkeypatch)
+    assert rt2.snapshot_store(1, 1, "s", overlap=True)._copier is not None
+    rt2._snapshots.close(discard=True)
+
+
+def test_a_wait_for_the_copy_is_the_snapshot_phase_and_a_stall(tmp_path, monkeypatch):
+    rt, phases = _runtime(tmp_path, monkeypatch)
+    store = rt.snapshot_store(1, 1, "s", overlap=True)
+    events = []
+    rt.event = lambda kind, t0, t1=None, **extra: events.append((kind, t1 - t0, extra))
+    release = threading.Event()
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (release.wait(10), real(d, s)))
+    store.save(1, {"w": torch.ones(4)})
+    threading.Timer(0.2, release.set).start()
+    rt.settle_snapshot(0)
+    assert phases == ["snapshot"]  # hang limits: the snapshot's phase, not the optimizer's
+    assert len(events) == 1 and events[0][0] == "snapshot" and events[0][1] >= 0.1
+    assert events[0][2] == {"step": 0, "waited": True}
+    rt.settle_snapshot(1)  # nothing in flight: no phase, no stall
+    assert phases == ["snapshot"] and len(events) == 1
     store.close(discard=True)

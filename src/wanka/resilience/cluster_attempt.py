@@ -60,10 +60,17 @@ class WarmLaunchers:
         self.ready: dict[tuple[int, str], subprocess.Popen] = {}
 
     def prepare(self, attempt: int, nodes: list[Node]) -> None:
+        """Start `attempt`'s launchers on `nodes` (an optimisation: a node that cannot start
+        one is warned about and left to start cold, the others still get theirs)."""
         for node in nodes:
-            if (attempt, node.name) not in self.ready:
+            if (attempt, node.name) in self.ready:
+                continue
+            try:
                 self.ready[attempt, node.name] = start_launcher(node, attempt, self.log_dir,
                                                                 self.launcher)  # fmt: skip
+            except (OSError, ValueError) as e:
+                log.warning("could not start a launcher for attempt %d on %s ahead of it: %s",
+                            attempt, node.name, e)  # fmt: skip
 
     def retire(self, attempt: int, nodes: list[Node]) -> None:
         """Let go of spares no one will use: older attempts', and this attempt's for nodes not
@@ -180,13 +187,13 @@ def _prepare_next(warm: WarmLaunchers, launcher, attempt: int, nodes: list[Node]
                   start_method: str) -> None:  # fmt: skip
     """Once the attempt trains: what the next one may need, started now rather than under
     this one's start-up (the control store's standby; the warm launchers, fork only)."""
-    try:
-        if launcher is not None and hasattr(launcher, "when_training"):
+    if launcher is not None and hasattr(launcher, "when_training"):
+        try:
             launcher.when_training(nodes)
-        if start_method == "fork":
-            warm.prepare(attempt + 1, nodes)
-    except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
-        log.warning("could not start the next attempt's launchers: %s", e)
+        except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
+            log.warning("could not start the standby: %s", e)
+    if start_method == "fork":
+        warm.prepare(attempt + 1, nodes)
 
 
 def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: list[str],

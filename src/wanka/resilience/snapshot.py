@@ -230,6 +230,10 @@ class SnapshotStore:
             self._free[slot].clear()
             self._queue.put((step, slot, meta))
 
+    def copying(self) -> bool:
+        """A copy is still running (overlap): settle() would wait."""
+        return self._copying is not None and not self._copying.done()
+
     def settle(self) -> float:
         """Wait for the copy in flight (overlap), if any; re-raises its error. Returns the
         seconds waited (0.0 when it had finished): the stall the overlap did not hide."""

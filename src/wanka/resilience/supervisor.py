@@ -340,15 +340,13 @@ class Supervisor:
     def _start_first_launchers(self) -> None:
         """A cluster job's first launchers start importing now, under the pre-flight and the
         control store's start, as later attempts' are started under the attempt before."""
-        if self.cluster is None or not self._forks():
+        # Not under a full pre-flight: its timed burn-in and link checks would share the CPUs.
+        if self.cluster is None or not self._forks() or self.rc.preflight == "full":
             return
         from wanka.resilience.cluster_attempt import WarmLaunchers
 
         self._warm = WarmLaunchers(self.run_dir / "logs", self.control)
-        try:
-            self._warm.prepare(1, self.attempt_nodes())
-        except (OSError, ValueError) as e:  # an optimisation: the attempt starts them cold
-            log.warning("could not start the first attempt's launchers early: %s", e)
+        self._warm.prepare(1, self.attempt_nodes())
 
     def _cluster_attempt(
         self, attempt: int, env: dict, out: Outcome, stop: threading.Event

@@ -116,8 +116,11 @@ class Runtime:
         self.progress.enter(name, step)
         yield
 
-    def snapshot_store(self, world: int, local_world: int, signature: str):
-        """Only under the supervisor: it is what restores from them."""
+    def snapshot_store(self, world: int, local_world: int, signature: str,
+                       overlap: bool = False):  # fmt: skip
+        """Only under the supervisor: it is what restores from them. `overlap` (the caller
+        calls settle_snapshot before anything writes the state): copies run under the next
+        step, else inside save()."""
         if not (self.supervised and self.cfg.resilience.snapshot_every > 0 and self.job_id):
             return None
         from wanka.resilience.snapshot import SnapshotStore
@@ -126,15 +129,18 @@ class Runtime:
         self._snapshots = SnapshotStore(Path(r.snapshot_dir), self.job_id, self.node, self.rank,
                                         world, local_world, r.snapshot_replica, signature,
                                         run_dir=Path(self.cfg.run.dir),
-                                        overlap=r.snapshot_overlap)  # fmt: skip
+                                        overlap=overlap)  # fmt: skip
         return self._snapshots
 
     def settle_snapshot(self, step: int) -> None:
         """Before the optimizer writes the state: the snapshot copy still running under this
         step (resilience.snapshot_overlap) must be done; time waited for it is a stall."""
-        if self._snapshots is None:
+        store = self._snapshots
+        if store is None:
             return
-        waited = self._snapshots.settle()
+        if store.copying():  # a wait on it is the snapshot's, for the hang limits too
+            self.progress.enter("snapshot", step)
+        waited = store.settle()
         if waited > 0.0:
             now = time.time()
             self.event("snapshot", now - waited, now, step=step, waited=True)

@@ -264,7 +264,7 @@ def train_step(job: Job, step: int) -> dict[str, float]:
     if rt.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:  # the state, not one batch, is bad
         raise RuntimeError(f"{MAX_SKIPPED_IN_A_ROW} batches in a row were bad ({bad}); stopping "
                            "so the supervisor restores the last good snapshot")  # fmt: skip
-    rt.settle_snapshot(step - 1)  # the last step's copy, which ran under this one
+    rt.settle_snapshot(step - 1)  # the last step's copy, which ran under this one (overlap)
     rt.progress.enter("optimizer", step)
     if not skipped:
         job.optimizer.step()
@@ -389,7 +389,8 @@ def _run(cfg: JobConfig) -> dict:
     snapshots = rt.snapshot_store(job.dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                   layout_signature(job.model, job.dims.world_size,
                                                    _train_state(job)["model_config"],
-                                                   _layout_name(job.dims, cfg.comm.grad_compression)))  # fmt: skip
+                                                   _layout_name(job.dims, cfg.comm.grad_compression)),
+                                  overlap=cfg.resilience.snapshot_overlap)  # fmt: skip
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
