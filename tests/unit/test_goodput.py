@@ -251,3 +251,17 @@ def test_failed_saves_inside_an_injected_disk_full_are_marked_injected() -> None
     # a fill never released (the supervisor died first) stays open
     open_fill = [x for x in e if not x.get("released")]
     assert [f["injected"] for f in compute_goodput(open_fill).faults] == [True, True, False]
+
+
+def test_startup_parts_are_reported_per_attempt() -> None:
+    from wanka.train.trainer import _startup_parts
+
+    parts = _startup_parts(B, B + 2.5, [("process group", B + 3.0), ("model", B + 4.25)])
+    assert parts == {"to the trainer": 2.5, "process group": 0.5, "model": 1.25}
+    e = restart_timeline()
+    e[2]["parts"] = parts  # attempt 0's start-up; attempt 1's (an older rank) has none
+    g = compute_goodput(e)
+    assert g.startups == [{"attempt": 0, "parts": parts}]
+    assert g.breakdown == compute_goodput(restart_timeline()).breakdown  # parts change nothing
+    text = format_goodput(g)
+    assert "start-up of attempt 0 (s): to the trainer 2.50, process group 0.50, model 1.25" in text

@@ -56,6 +56,9 @@ class Goodput:
     # latency_s (t1 - t0, None for an instant), steps_lost (lost executions it caused),
     # recovery_s (fault time to the end of the first kept step started after detection).
     faults: list[dict] = field(default_factory=list)
+    # Per attempt whose rank 0 reported them: {"attempt": N, "parts": {part: seconds}}, the
+    # start-up broken down (train/trainer.py _startup_parts).
+    startups: list[dict] = field(default_factory=list)
 
 
 def _num(v: object) -> float | None:
@@ -168,6 +171,11 @@ def compute_goodput(events: list[dict]) -> Goodput:
         steps_kept=len(kept),
         steps_lost=len(lost),
         faults=_fault_table(events, kept, lost, w0),
+        startups=[
+            {"attempt": ev.get("attempt"), "parts": ev["parts"]}
+            for ev in events
+            if ev["kind"] == "startup" and isinstance(ev.get("parts"), dict)
+        ],
     )
 
 
@@ -233,6 +241,9 @@ def format_goodput(g: Goodput) -> str:
         if s > 0 or cat in ("productive", "other"):
             share = 100 * s / g.wall_s if g.wall_s > 0 else 0.0
             lines.append(f"  {cat:12s} {s:10.1f} {share:6.1f}%")
+    for st in g.startups:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in st["parts"].items() if _num(v) is not None)
+        lines.append(f"start-up of attempt {st['attempt']} (s): {parts}")
     if not g.faults:
         lines.append("faults: none")
         return "\n".join(lines)

@@ -78,12 +78,16 @@ class Job:
         return self.rank == 0
 
 
-def setup(cfg: JobConfig) -> Job:
+def setup(cfg: JobConfig, marks: list[tuple[str, float]] | None = None) -> Job:
+    """The job's parts, built; `marks` gets (part, wall time when it was ready) for the
+    start-up breakdown."""
+    marks = [] if marks is None else marks
     device_type = resolve_device_type(cfg.run.device)
     if cfg.run.ops_backend:
         os.environ["WANKA_OPS_BACKEND"] = cfg.run.ops_backend
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device_type))
+    marks.append(("process group", time.time()))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device(device_type)
     run_dir = Path(cfg.run.dir)
@@ -94,6 +98,7 @@ def setup(cfg: JobConfig) -> Job:
     dims = ParallelDims.from_config(cfg.parallel, world,
                                     int(os.environ.get("LOCAL_WORLD_SIZE", world)))  # fmt: skip
     dims.build_meshes(device_type)
+    marks.append(("meshes", time.time()))
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_toml(cfg))
@@ -114,6 +119,7 @@ def setup(cfg: JobConfig) -> Job:
     loader = PackedLoader(train_ds, cfg.data.seq_len, rows, load_rank, load_ranks, cfg.train.seed)
     val = validation_batches(TokenDataset(data_path, "val"), cfg.data.seq_len, rows,
                              cfg.data.val_batches, load_rank, load_ranks)  # fmt: skip
+    marks.append(("data", time.time()))
 
     # Meta device -> empty storage -> deterministic init -> shard.
     with torch.device("meta"):
@@ -134,6 +140,7 @@ def setup(cfg: JobConfig) -> Job:
         optimizer = build_optimizer(model, cfg.train)
     except ValueError as e:  # torch's own checks, should a value slip past the schema's
         raise ConfigError(_optimizer_field(str(e)), str(e).splitlines()[0]) from None
+    marks.append(("model", time.time()))
     return Job(cfg, dims, device, model, optimizer, loader, val, rank, run_dir, n_indexers, runtime,
                cp_shard)  # fmt: skip
 
@@ -380,7 +387,9 @@ def run(cfg: JobConfig) -> dict:
 
 def _run(cfg: JobConfig) -> dict:
     t_start = time.perf_counter()
-    job = setup(cfg)
+    t_entry = time.time()
+    marks: list[tuple[str, float]] = []
+    job = setup(cfg, marks)
     rt = job.runtime
     ckpt = Checkpointer(job.run_dir / "checkpoints", job.model, job.optimizer, cfg.checkpoint.keep,
                         cfg.checkpoint.async_save, job.is_main)  # fmt: skip
@@ -391,14 +400,19 @@ def _run(cfg: JobConfig) -> dict:
                                                    _train_state(job)["model_config"],
                                                    _layout_name(job.dims, cfg.comm.grad_compression)),
                                   overlap=cfg.resilience.snapshot_overlap)  # fmt: skip
+    marks.append(("checkpointer + snapshots", time.time()))
     with rt.span("restore") as info:
         rt.progress.enter("restore")
         start = _resume(job, ckpt, snapshots, info)
+    marks.append(("restore", time.time()))
     if start > cfg.train.steps:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
-    t_process = time.time() - (time.perf_counter() - t_start)  # wall clock at run() entry
-    rt.event("startup", rt.launch_time or t_process, time.time())
+    t_launch = rt.launch_time or t_entry
+    parts = _startup_parts(t_launch, t_entry, marks)
+    rt.event("startup", t_launch, time.time(), parts=parts)
+    log.info("start-up %.2f s: %s", sum(parts.values()),
+             ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), extra={"console": False})  # fmt: skip
     metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
     metrics.truncate_after(start)
     if start > 0:
@@ -498,6 +512,16 @@ def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
     dist.barrier()
     dist.destroy_process_group()
     raise Preempted(f"stopped on request at step {step}")
+
+
+def _startup_parts(t_launch: float, t_entry: float, marks: list[tuple[str, float]]) -> dict:
+    """Seconds per start-up part: from the launch (the supervisor's attempt start) to this
+    process's training code ("to the trainer": launcher, rendezvous, fork or spawn), then each
+    part until its mark."""
+    parts, last = {"to the trainer": max(t_entry - t_launch, 0.0)}, t_entry
+    for name, t in marks:
+        parts[name], last = round(t - last, 4), t
+    return parts
 
 
 def _snapshot_state(job: Job) -> dict:
