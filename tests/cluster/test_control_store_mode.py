@@ -175,9 +175,9 @@ def test_losing_the_stores_node_moves_the_store_and_the_job_recovers(three_nodes
                                                                       reference):  # fmt: skip
     # The control store is a process on n0: a node kill of n0 takes it (and n0's memory, its
     # snapshots with it). Named on n0 at once; the next attempt is served by the standby store
-    # (on the spare, n2), which also takes n0's place; every agent is told so, and both ranks
-    # resume from snapshots. torch's rendezvous numbers nodes by address: rank 0 now runs on n1
-    # (it finds its state in the replica n1 held of it), rank 1 on n2 (fetched from n1).
+    # (on the spare, n2), which also takes n0's place (its node rank, so rank 0); every agent is
+    # told so, and both ranks resume from snapshots: rank 1 stays on n1 with its own, rank 0 on
+    # n2 fetches the replica n1 held of it.
     r, run, summary = train(three_nodes, tmp_path, "run", "node_kill@step=3,node=0", SPARE)
     m = lost_line(r.stderr)
     assert m.group(1) == "n0", m.group(0)
@@ -185,7 +185,7 @@ def test_losing_the_stores_node_moves_the_store_and_the_job_recovers(three_nodes
     assert "hot spare n2 takes the place of n0" in r.stderr
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("node_lost", None, "n0")
-    assert [node_of_rank(three_nodes, run, r, attempt=2) for r in (0, 1)] == ["n1", "n2"]
+    assert [node_of_rank(three_nodes, run, r, attempt=2) for r in (0, 1)] == ["n2", "n1"]
     assert summary["state_digest"] == reference["state_digest"]
     assert len(resumed_from_snapshot(run)) == 2
     # The job finished: no node keeps a copy (n1 still held rank 1's own folder and the replica

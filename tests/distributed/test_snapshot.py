@@ -131,8 +131,8 @@ def _moved_ranks(root: str, out: str) -> None:
     if rank == 0:
         shutil.rmtree(f"{root}/job/n0")  # n0 lost; n1 holds rank 1's copy and rank 0's replica
     dist.barrier()
-    # A hot spare n2 took n0's place, but the rendezvous numbers nodes by address: rank 0 now
-    # runs on n1, rank 1 on n2 (empty). Rank 0 finds its own state in n1's replica folder,
+    # A hot spare n2 took n0's place and ranks changed nodes (a c10d rendezvous, as under Slurm,
+    # numbers nodes by address): rank 0 now runs on n1, rank 1 on n2 (empty). Rank 0 finds its own state in n1's replica folder,
     # rank 1 gets its copy from n1 (from rank 0) over the network.
     moved = SnapshotStore(root, "job", ["n1", "n2"][rank], rank, 2, 1, replica=True,
                           signature="w2-x")  # fmt: skip

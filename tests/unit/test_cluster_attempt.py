@@ -26,6 +26,7 @@ STAND_IN = """
 import json, os, sys, time
 orders = sys.stdin.readline()
 if not orders.strip():
+    time.sleep(float(os.environ.get("DISMISS_S", "0")))  # a launcher's exit after import torch
     sys.exit(0)
 what = json.loads(orders)["argv"][0]
 with open(os.environ["ORDERS_LOG"], "a") as f:
@@ -129,7 +130,7 @@ def test_a_stop_tears_down_without_naming_a_node(stand_ins):
     assert all(p.poll() is not None for _, _, p in started)
 
 
-def test_warm_spares_are_used_retired_and_dismissed(stand_ins):
+def test_warm_spares_are_used_retired_and_dismissed(stand_ins, monkeypatch):
     started, _ = stand_ins
     warm = ca.WarmLaunchers(None)
     warm.prepare(2, NODES)
@@ -137,13 +138,18 @@ def test_warm_spares_are_used_retired_and_dismissed(stand_ins):
     end = attempt({"n0": "exit:0:0.1", "n1": "exit:0:0.1"}, warm=warm, attempt_no=2)
     assert end.codes == [0, 0]
     assert len(started) == 2  # the spares took the orders: no cold launcher was started
-    # Spares of an attempt a node is no longer in, and of older attempts, are let go.
+    # Spares of an attempt a node is no longer in, and of older attempts, are let go; the next
+    # attempt does not wait for them to exit (a launcher that imported torch takes ~1 s).
+    monkeypatch.setenv("DISMISS_S", "1.5")
     warm.prepare(3, NODES)
+    t0 = time.monotonic()
     warm.retire(3, NODES[:1])
-    gone = [p for name, a, p in started if a == 3 and name == "n1"]
-    assert gone and gone[0].poll() == 0  # dismissed by EOF: exited on its own
     warm.discard("n0")
-    assert not warm.ready and all(p.poll() is not None for _, _, p in started)
+    assert time.monotonic() - t0 < 1.0 and not warm.ready
+    dismissed = [p for _, a, p in started if a == 3]
+    assert len(dismissed) == 2 and all(p.poll() is None for p in dismissed)  # still exiting
+    warm.close()  # the supervisor's end: every dismissed launcher reaped
+    assert all(p.poll() == 0 for p in dismissed)  # dismissed by EOF: exited on their own
     assert all(p.poll() == 0 for p in spares.values())
 
 
@@ -278,3 +284,18 @@ def test_a_node_that_cannot_start_a_launcher_ahead_leaves_the_others_theirs(stan
     warm.prepare(2, NODES)
     assert sorted(warm.ready) == [(2, "n1")]
     warm.close()
+
+
+def test_an_attempt_uses_torchruns_static_rendezvous_with_node_i_as_node_rank_i():
+    from torch.distributed.run import config_from_args, parse_args
+
+    from wanka.cluster.launch import torchrun_options
+
+    nodes = [NODES[1], NODES[0]]  # the supervisor's order, not the addresses'
+    for i, node in enumerate(nodes):
+        config, _, _ = config_from_args(parse_args([
+            *torchrun_options(STATE, i, 2, "wanka-x", 29400, nodes, static=True), "x"]))  # fmt: skip
+        assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == i
+        assert config.rdzv_endpoint == f"{nodes[0].addr}:29400"  # the first node hosts it
+        assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
+        assert config.local_addr == node.addr

@@ -256,7 +256,7 @@ def test_failed_saves_inside_an_injected_disk_full_are_marked_injected() -> None
 def test_startup_parts_are_reported_per_attempt() -> None:
     from wanka.train.trainer import _startup_parts
 
-    parts = _startup_parts(B, B + 2.5, [("process group", B + 3.0), ("model", B + 4.25)])
+    parts = _startup_parts(B, B + 2.5, [("process group", B + 3.0), ("model", B + 4.25)], env={})
     assert parts == {"to the trainer": 2.5, "process group": 0.5, "model": 1.25}
     e = restart_timeline()
     e[2]["parts"] = parts  # attempt 0's start-up; attempt 1's (an older rank) has none
@@ -265,3 +265,20 @@ def test_startup_parts_are_reported_per_attempt() -> None:
     assert g.breakdown == compute_goodput(restart_timeline()).breakdown  # parts change nothing
     text = format_goodput(g)
     assert "start-up of attempt 0 (s): to the trainer 2.50, process group 0.50, model 1.25" in text
+
+
+def test_startup_parts_split_the_launch_where_the_launch_path_left_marks() -> None:
+    from wanka.train.trainer import _startup_parts
+
+    env = {"WANKA_ORDERS_TIME": repr(B + 0.25), "WANKA_RANK_START_TIME": repr(B + 1.75)}
+    parts = _startup_parts(B, B + 2.5, [("model", B + 3.0)], env=env)
+    assert parts == {"orders": 0.25, "rendezvous + ranks": 1.5, "to the trainer": 0.75,
+                     "model": 0.5}  # fmt: skip
+    # Another host's clock (a mark before the launch, or after the entry) is clamped: the
+    # parts still add up to the whole start-up and none is negative.
+    skewed = {"WANKA_ORDERS_TIME": repr(B - 5.0), "WANKA_RANK_START_TIME": repr(B + 9.0)}
+    parts = _startup_parts(B, B + 2.5, [], env=skewed)
+    assert parts == {"orders": 0.0, "rendezvous + ranks": 2.5, "to the trainer": 0.0}
+    # A mark that is not a number is left out, its time counted in the next part.
+    parts = _startup_parts(B, B + 2.5, [], env={"WANKA_ORDERS_TIME": "soon"})
+    assert parts == {"to the trainer": 2.5}

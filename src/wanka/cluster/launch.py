@@ -17,9 +17,19 @@ RDZV_PORT = 29400
 
 
 def torchrun_options(st: ClusterState, i: int, nproc_per_node: int, rdzv_id: str,
-                     port: int = RDZV_PORT, nodes: list | None = None) -> list[str]:  # fmt: skip
-    """torchrun's options for node i of `nodes` (default: all of the cluster's)."""
+                     port: int = RDZV_PORT, nodes: list | None = None,
+                     static: bool = False) -> list[str]:  # fmt: skip
+    """torchrun's options for node i of `nodes` (default: all of the cluster's). `static`:
+    torchrun's static rendezvous, node i is node rank i (the supervisor, which already chose
+    every node of an attempt and their order, uses it: c10d's join polls its state once a
+    second, a second on every restart); else the c10d rendezvous."""
     nodes = nodes or st.nodes
+    if static:
+        return [
+            f"--nnodes={len(nodes)}", f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=static", f"--rdzv-endpoint={nodes[0].addr}:{port}",
+            f"--rdzv-id={rdzv_id}", f"--node-rank={i}", f"--local-addr={nodes[i].addr}",
+        ]  # fmt: skip
     return [
         f"--nnodes={len(nodes)}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint={nodes[0].addr}:{port}", f"--rdzv-id={rdzv_id}",

@@ -3,7 +3,8 @@
 The supervisor (resilience/supervisor.py) decides which nodes take part (evicted ones do not)
 and watches every rank's heartbeat; this module gives each chosen node's launcher
 (resilience/node_launch.py: torch's elastic agent in-process, ranks forked after the imports)
-its orders, all meeting at a fresh c10d rendezvous on the first chosen node, waits, and tears
+its orders, all meeting at torchrun's static rendezvous on the first chosen node (node i of the
+attempt is node rank i), waits, and tears
 the attempt down as soon as one node fails so the others do not wait on a dead peer. While an
 attempt runs, the next attempt's launchers are started and import torch and wanka (WarmLaunchers),
 so a restart does not pay two interpreter starts and imports per node before its first step.
@@ -58,6 +59,7 @@ class WarmLaunchers:
     def __init__(self, log_dir: Path | None, launcher=None) -> None:
         self.log_dir, self.launcher = log_dir, launcher
         self.ready: dict[tuple[int, str], subprocess.Popen] = {}
+        self._reapers: list[threading.Thread] = []
 
     def prepare(self, attempt: int, nodes: list[Node]) -> None:
         """Start `attempt`'s launchers on `nodes` (an optimisation: a node that cannot start
@@ -77,20 +79,32 @@ class WarmLaunchers:
         in it (evicted since they were started)."""
         names = {n.name for n in nodes}
         self._dismiss_all(
-            [k for k in self.ready if k[0] < attempt or (k[0] == attempt and k[1] not in names)]
+            [k for k in self.ready if k[0] < attempt or (k[0] == attempt and k[1] not in names)],
+            wait=False,
         )
 
     def discard(self, node: str) -> None:
         """A node-level fault was just named on `node`: its spare (its agent's store link, its
         state) is not to be trusted; the next attempt starts a fresh one."""
-        self._dismiss_all([k for k in self.ready if k[1] == node])
+        self._dismiss_all([k for k in self.ready if k[1] == node], wait=False)
 
-    def _dismiss_all(self, keys: list[tuple[int, str]]) -> None:
+    def _dismiss_all(self, keys: list[tuple[int, str]], wait: bool = True) -> None:
+        """`wait=False`: reaped on a thread of its own. Between attempts the next one must not
+        wait for them: a launcher that imported torch takes ~1 s to exit."""
         spares = [self.ready.pop(k) for k in keys]
         for p in spares:  # stdin first for all, then wait: at most one grace, not one each
             _close_stdin(p)
-        for p in spares:
-            _dismiss(p)
+        if not spares:
+            return
+        if wait:
+            for p in spares:
+                _dismiss(p)
+            return
+        self._reapers = [t for t in self._reapers if t.is_alive()]
+        reaper = threading.Thread(target=lambda: [_dismiss(p) for p in spares],
+                                  name="wanka-launcher-reaper", daemon=True)  # fmt: skip
+        reaper.start()
+        self._reapers.append(reaper)
 
     def take(self, attempt: int, node: Node) -> subprocess.Popen:
         """This attempt's launcher for `node`: the warm one if it is still alive (a node_kill
@@ -104,6 +118,9 @@ class WarmLaunchers:
 
     def close(self) -> None:
         self._dismiss_all(list(self.ready))
+        for reaper in self._reapers:  # none left behind when the supervisor exits
+            reaper.join()
+        self._reapers = []
 
 
 def _close_stdin(p: subprocess.Popen) -> None:
@@ -145,9 +162,10 @@ def choose_nodes(active: list[Node], prev: list[str], width: int,
                  suspect: str | None = None) -> list[Node]:  # fmt: skip
     """The nodes of the next attempt: the previous attempt's, except that a spare (an active
     node not in it) takes the place of the `suspect` one and of any no longer active (evicted);
-    the first hosts the rendezvous. (torch's c10d rendezvous numbers the nodes by address, so a
-    spare may shift which node runs which ranks: each rank restores from whatever snapshot
-    copies its node holds, its own or replicas, resilience/snapshot.py.) Without a spare a
+    the first hosts the rendezvous. Node i is node rank i (a static rendezvous): a spare runs
+    the ranks of the node it replaces and every other node keeps its own, so their ranks find
+    their own snapshots (a moved rank restores from the copies its new node holds or fetches
+    them, resilience/snapshot.py). Without a spare a
     suspect node stays (it may be back) and an evicted one is dropped (the job shrinks)."""
     by_name = {n.name: n for n in active}
     spares = [n for n in active if n.name not in prev and n.name != suspect]
@@ -223,7 +241,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
             node_env = nd.node_env(node, dict(env))
             if launcher is not None:  # e.g. the node's own heartbeat folder
                 node_env = launcher.env(node, node_env, attempt)
-            orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes),
+            orders = {"torchrun": torchrun_options(st, i, nproc, rdzv_id, port, nodes, static=True),
                       "argv": worker_argv, "env": node_env, "start_method": start_method}  # fmt: skip
             if launcher is not None:  # e.g. the control store's address, for the node's agent
                 orders = launcher.orders(orders)

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 # Handled by the elastic agent while it runs, as torchrun does: SIGTERM reaches the ranks.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -50,6 +51,7 @@ def launch(orders: dict) -> int:
     from wanka.resilience.supervisor import _worker_entry
 
     os.environ.update(orders["env"])
+    os.environ["WANKA_ORDERS_TIME"] = repr(time.time())  # start-up parts (trainer.py)
     quiet_launcher_logs()
     config, _, _ = config_from_args(parse_args([*orders["torchrun"], "x"]))
     # Fork is the point (the imports are done); CUDA/NPU state does not survive a fork, so

@@ -105,6 +105,7 @@ def job_id(run_dir: Path) -> str:
 def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
     """Runs in each forked rank: the same `wanka train` as under plain torchrun."""
     os.environ.update(env)
+    os.environ["WANKA_RANK_START_TIME"] = repr(time.time())  # start-up parts (trainer.py)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)  # the agent's handlers came along with the fork
     import torch

@@ -514,11 +514,27 @@ def _last_gasp(job: Job, ckpt: Checkpointer, snapshots, step: int) -> None:
     raise Preempted(f"stopped on request at step {step}")
 
 
-def _startup_parts(t_launch: float, t_entry: float, marks: list[tuple[str, float]]) -> dict:
+# Times the launch path records on its way to the trainer (a node launcher when it got its
+# orders; the rank's process when it began), in the order they happen.
+LAUNCH_MARKS = (("orders", "WANKA_ORDERS_TIME"), ("rendezvous + ranks", "WANKA_RANK_START_TIME"))
+
+
+def _startup_parts(t_launch: float, t_entry: float, marks: list[tuple[str, float]],
+                   env: dict | None = None) -> dict:  # fmt: skip
     """Seconds per start-up part: from the launch (the supervisor's attempt start) to this
-    process's training code ("to the trainer": launcher, rendezvous, fork or spawn), then each
-    part until its mark."""
-    parts, last = {"to the trainer": max(t_entry - t_launch, 0.0)}, t_entry
+    process's training code, split where the launch path left marks (LAUNCH_MARKS: the node
+    launcher's orders, the rendezvous and the ranks' start), the rest "to the trainer"; then
+    each part until its mark. Marks from another host's clock are clamped to the interval."""
+    env = os.environ if env is None else env
+    parts, last = {}, t_launch
+    for name, var in LAUNCH_MARKS:
+        try:
+            t = float(env[var])
+        except (KeyError, ValueError):
+            continue  # not launched that way (plain torchrun, the single-node supervisor)
+        t = min(max(t, last), t_entry)
+        parts[name], last = round(t - last, 4), t
+    parts["to the trainer"], last = max(t_entry - last, 0.0), t_entry
     for name, t in marks:
         parts[name], last = round(t - last, 4), t
     return parts
