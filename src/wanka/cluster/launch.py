@@ -16,6 +16,9 @@ from wanka.cluster.state import ClusterState, Node, require
 RDZV_PORT = 29400
 
 
+STATIC_JOIN_TIMEOUT_S = 120  # seconds; a launcher joins once its imports are done
+
+
 def torchrun_options(st: ClusterState, i: int, nproc_per_node: int, rdzv_id: str,
                      port: int = RDZV_PORT, nodes: list | None = None,
                      static: bool = False) -> list[str]:  # fmt: skip
@@ -29,6 +32,9 @@ def torchrun_options(st: ClusterState, i: int, nproc_per_node: int, rdzv_id: str
             f"--nnodes={len(nodes)}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=static", f"--rdzv-endpoint={nodes[0].addr}:{port}",
             f"--rdzv-id={rdzv_id}", f"--node-rank={i}", f"--local-addr={nodes[i].addr}",
+            # A node that never joins fails the attempt after this (torchrun's default, 900 s,
+            # would hold every other node that long; c10d's join gave up after 600 s).
+            f"--rdzv-conf=timeout={STATIC_JOIN_TIMEOUT_S}",
         ]  # fmt: skip
     return [
         f"--nnodes={len(nodes)}", f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d",

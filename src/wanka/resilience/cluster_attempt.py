@@ -48,7 +48,8 @@ def start_launcher(
     out = subprocess.DEVNULL
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(log_dir / f"{node.name}-attempt{attempt}.log", "w")  # noqa: SIM115
+        # Appended: a dismissed launcher of the same attempt and node may still be exiting.
+        out = open(log_dir / f"{node.name}-attempt{attempt}.log", "a")  # noqa: SIM115
     return nd.popen(node, argv, env=env, stdin=subprocess.PIPE, stdout=out,
                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 

@@ -3,8 +3,8 @@
 torchrun starts every rank as a new interpreter that imports torch and wanka (3-4 s on a busy
 host), after torchrun's own start (~2 s): a restart pays both before its first step. This
 launcher imports the trainer once and then waits for its attempt's orders, one JSON line on
-stdin; with them it runs torch's elastic agent in-process (torchrun's own options: the same
-c10d rendezvous, the same environment for the ranks) and forks the ranks from itself, as the
+stdin; with them it runs torch's elastic agent in-process (torchrun's own options: its
+static rendezvous, the same environment for the ranks) and forks the ranks from itself, as the
 single-node supervisor does. The supervisor starts the next attempt's launcher on every node
 while an attempt runs (resilience/cluster_attempt.py), so a restart finds the imports done.
 

@@ -348,9 +348,9 @@ class SnapshotStore:
     def restore(self) -> tuple[int, dict] | None:
         """Agree on the newest step every rank can get (a copy anywhere), fetch missing ones
         from their holders, return (step, state) or None if some rank has none."""
-        # Every copy on my node, whoever's: after a hot spare took a lost node's place, the
-        # rendezvous numbers the nodes by address, so my rank may be one this node held
-        # another's copies of (its own folder or a replica it received).
+        # Every copy on my node, whoever's: after a hot spare took a lost node's place (or a
+        # c10d rendezvous numbered the nodes anew, as under Slurm), my rank may be one this
+        # node held another's copies of (its own folder or a replica it received).
         where = self._copies_here()
         mine = {"rank": self.rank, "sig": self.signature, "have": {}}
         for owner, step in where:

@@ -410,6 +410,8 @@ def _run(cfg: JobConfig) -> dict:
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
+    for _, var in LAUNCH_MARKS:  # this launch's: not for a process a rank may start
+        os.environ.pop(var, None)
     rt.event("startup", t_launch, time.time(), parts=parts)
     log.info("start-up %.2f s: %s", sum(parts.values()),
              ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), extra={"console": False})  # fmt: skip
@@ -531,7 +533,7 @@ def _startup_parts(t_launch: float, t_entry: float, marks: list[tuple[str, float
         try:
             t = float(env[var])
         except (KeyError, ValueError):
-            continue  # not launched that way (plain torchrun, the single-node supervisor)
+            continue  # not launched that way (plain torchrun; no node launcher: no orders)
         t = min(max(t, last), t_entry)
         parts[name], last = round(t - last, 4), t
     parts["to the trainer"], last = max(t_entry - last, 0.0), t_entry
