@@ -542,9 +542,16 @@ def control(tmp_path, monkeypatch):
     return sc, sup, nodes, closes, stopped
 
 
+def _begin(sc, attempt: int, nodes: list, spares: list = ()) -> None:
+    """begin, then wait for the stores it stops in the background (the asserts read them)."""
+    sc.begin(attempt, nodes, spare_nodes=list(spares))
+    for reaper in sc._reapers:
+        reaper.join()
+
+
 def _attempt(sc, attempt: int, nodes: list, spares: list = ()) -> None:
     """An attempt as run_attempt drives the store: begin, then (its ranks train) the standby."""
-    sc.begin(attempt, nodes, spare_nodes=list(spares))
+    _begin(sc, attempt, nodes, spares)
     sc.when_training([*nodes, *spares])
 
 
@@ -561,7 +568,7 @@ def test_the_store_stays_until_lost_or_faulted_and_the_standby_takes_over(contro
     assert sc.primary is p and sc.standby is s
     # The standby's node is the one the last fault was named on: replaced, never used.
     sup.outcomes.append(SimpleNamespace(node="n1"))
-    sc.begin(3, nodes)
+    _begin(sc, 3, nodes)
     assert sc.primary is p and s.proc in stopped and sc.standby is None
     sc.when_training(nodes)
     assert sc.standby.node.name == "n2"
@@ -576,6 +583,28 @@ def test_the_store_stays_until_lost_or_faulted_and_the_standby_takes_over(contro
     _attempt(sc, 5, nodes)
     assert sc.primary.node.name == "n1" and sc.standby.node.name == "n0"
     assert closes == []  # warm launchers never depend on which store serves
+
+
+def test_the_next_attempt_does_not_wait_for_a_dropped_store_to_exit(control, monkeypatch):
+    """A store process takes ~0.5 s to exit (it imported torch): begin() hands the stop to a
+    reaper and returns, close() waits for it. Here the stop blocks until released."""
+    from wanka.resilience import store_attempt as sa
+
+    sc, sup, nodes, closes, stopped = control
+    release, stopped_by = threading.Event(), {}
+
+    def slow_stop(proc) -> None:
+        release.wait(30)
+        stopped_by[id(proc)] = threading.current_thread().name
+
+    monkeypatch.setattr(sa, "stop_store", slow_stop)
+    sc.primary = p = _FakeStore("n0")
+    sup.outcomes.append(SimpleNamespace(node="n0"))  # the primary's node named: it is dropped
+    sc.begin(2, nodes)  # a stop in the caller would hold it here for 30 s
+    assert sc.primary is not p and id(p.proc) not in stopped_by
+    release.set()
+    sc.close()  # waits for the dropped store's reaper
+    assert stopped_by[id(p.proc)] == "wanka-store-reaper" and sc._reapers == []
 
 
 def test_launchers_learn_the_store_from_their_orders(control):

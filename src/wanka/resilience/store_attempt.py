@@ -166,6 +166,16 @@ class StoreControl:
         self.attempt, self.world = 0, 0
         self.nodes: list[str] = []
         self._stop_event = threading.Event()  # the current attempt's: set by watch()
+        self._reapers: list[threading.Thread] = []
+
+    def _stop_later(self, st: StoreProcess) -> None:
+        """Stop a store no one will use again without waiting for it: a store process that
+        imported torch takes ~0.5 s to exit, which the next attempt's start-up would wait."""
+        self._reapers = [t for t in self._reapers if t.is_alive()]
+        reaper = threading.Thread(target=stop_store, args=(st.proc,), daemon=True,
+                                  name="wanka-store-reaper")  # fmt: skip
+        reaper.start()
+        self._reapers.append(reaper)
 
     def hb_dir(self, node: str, attempt: int | None = None, host: bool = False) -> Path:
         """Node `node`'s own heartbeat folder for an attempt, as its processes see it (`host`:
@@ -205,11 +215,11 @@ class StoreControl:
         # process may look alive and be unreachable).
         faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
         if self.standby is not None and self.standby.node.name == faulted:
-            stop_store(self.standby.proc)
+            self._stop_later(self.standby)
             self.standby = None
         if old is None or not usable(old) or old.node.name == faulted:
             if old is not None:
-                stop_store(old.proc)
+                self._stop_later(old)
             if usable(self.standby) and self._attach(self.standby):
                 self.primary, self.standby = self.standby, None
             else:
@@ -267,7 +277,7 @@ class StoreControl:
         of `nodes` that can serve one; `spawn` False: only drop one that can no longer serve."""
         st = self.standby
         if st is not None and (not st.alive() or st.node.name not in {n.name for n in nodes}):
-            stop_store(st.proc)
+            self._stop_later(st)
             self.standby = None
         if self.standby is None and spawn:
             faulted = self.sup.outcomes[-1].node if self.sup.outcomes else None
@@ -286,6 +296,9 @@ class StoreControl:
             if st is not None:
                 stop_store(st.proc)
         self.primary = self.standby = None
+        for reaper in self._reapers:  # no store outlives the supervisor
+            reaper.join()
+        self._reapers = []
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
