@@ -594,13 +594,13 @@ def test_the_next_attempt_does_not_wait_for_a_dropped_store_to_exit(control, mon
     release, stopped_by = threading.Event(), {}
 
     def slow_stop(proc) -> None:
-        release.wait(30)
+        release.wait(5)
         stopped_by[id(proc)] = threading.current_thread().name
 
     monkeypatch.setattr(sa, "stop_store", slow_stop)
     sc.primary = p = _FakeStore("n0")
     sup.outcomes.append(SimpleNamespace(node="n0"))  # the primary's node named: it is dropped
-    sc.begin(2, nodes)  # a stop in the caller would hold it here for 30 s
+    sc.begin(2, nodes)  # a stop in the caller would hold it here for 5 s
     assert sc.primary is not p and id(p.proc) not in stopped_by
     release.set()
     sc.close()  # waits for the dropped store's reaper

@@ -247,7 +247,7 @@ class StoreControl:
             return st.attach(self.sup.job, timeout_s) is not None
         except (ConnectionError, ValueError) as e:
             log.error("%s", e)
-            stop_store(st.proc)
+            self._stop_later(st)
             if st is self.standby:
                 self.standby = None
             return False
