@@ -174,6 +174,21 @@ def test_the_next_attempts_launchers_start_once_the_ranks_train(stand_ins):
     assert not warm.ready
 
 
+def test_no_launchers_start_ahead_with_warm_launchers_off(stand_ins, monkeypatch):
+    """resilience.warm_launchers = false: the ranks train and nothing starts for the next
+    attempt (it starts its launchers cold), spares included."""
+    started, _ = stand_ins
+    warm = ca.WarmLaunchers(None)
+    real_give = ca._give_orders
+    monkeypatch.setattr(
+        ca, "_give_orders", lambda p, o: real_give(p, {**o, "argv": ["exit:0:0.5"]})
+    )
+    end = ca.run_attempt(STATE, NODES, 1, ["train"], {}, 1, threading.Event(), threading.Event(),
+                         warm=warm, started=lambda: True, spares=_nodes("n2"), prewarm=False)  # fmt: skip
+    assert end.codes == [0, 0] and not warm.ready
+    assert sorted(name for name, _, _ in started) == ["n0", "n1"]  # this attempt's only
+
+
 def _kill_when_ready(started, node: str, log) -> None:
     """SIGKILL `node`'s launcher once it has its orders (as a node_kill would, mid-attempt)."""
     deadline = time.monotonic() + 10

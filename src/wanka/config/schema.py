@@ -200,6 +200,10 @@ class ResilienceConfig:
     # --cluster jobs: this many of the healthy nodes stand by as hot spares (warm launchers
     # waiting); one takes the place (and ranks) of a node named lost or hung.
     spare_nodes: int = 0
+    # --cluster jobs with forked ranks: each attempt's node launchers start (and import torch)
+    # while the attempt before trains, so a restart finds them ready. false: every attempt
+    # starts its launchers cold (~2 CPU-s each), e.g. where nodes have no idle core for them.
+    warm_launchers: bool = True
 
 
 @dataclass

@@ -203,15 +203,16 @@ def _first_failure(procs: dict[str, subprocess.Popen]) -> tuple[str | None, int 
 
 
 def _prepare_next(warm: WarmLaunchers, launcher, attempt: int, nodes: list[Node],
-                  start_method: str) -> None:  # fmt: skip
+                  start_method: str, prewarm: bool = True) -> None:  # fmt: skip
     """Once the attempt trains: what the next one may need, started now rather than under
-    this one's start-up (the control store's standby; the warm launchers, fork only)."""
+    this one's start-up (the control store's standby; the warm launchers, fork only, unless
+    `prewarm` is off)."""
     if launcher is not None and hasattr(launcher, "when_training"):
         try:
             launcher.when_training(nodes)
         except (OSError, ValueError) as e:  # an optimisation: never the attempt's end
             log.warning("could not start the standby: %s", e)
-    if start_method == "fork":
+    if start_method == "fork" and prewarm:
         warm.prepare(attempt + 1, nodes)
 
 
@@ -220,7 +221,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 preempt: threading.Event, log_dir=None, launcher=None,
                 warm: WarmLaunchers | None = None, start_method: str = "fork",
                 started: Callable[[], bool] | None = None,
-                spares: list[Node] = ()) -> AttemptEnd:  # fmt: skip
+                spares: list[Node] = (), prewarm: bool = True) -> AttemptEnd:  # fmt: skip
     """Runs one attempt on `nodes` until it ends, fails or is stopped.
     `stop`: tear down now (the monitor saw a fault); `preempt`: forward SIGTERM to every
     node's launcher (which passes it to the ranks) and give the last-gasp checkpoint time.
@@ -228,7 +229,8 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
     (.command, .env) and tears a node down its own way (.kill). `warm`: where this attempt's
     launchers may already be waiting, and the next attempt's are started once `started()`
     says the ranks are training (fork only: a spawning launcher gains nothing from its imports),
-    on `spares` (hot spare nodes) too; so is `launcher.when_training` (if it has one)."""
+    on `spares` (hot spare nodes) too (not with `prewarm` off: resilience.warm_launchers); so is
+    `launcher.when_training` (if it has one)."""
     own_warm = warm is None
     warm = warm or WarmLaunchers(log_dir, launcher)
     warm.retire(attempt, nodes)
@@ -275,7 +277,7 @@ def run_attempt(st: ClusterState, nodes: list[Node], nproc: int, worker_argv: li
                 (started is not None and started()) or time.monotonic() - t_start > PREWARM_AFTER_S
             ):
                 prepared = True
-                _prepare_next(warm, launcher, attempt, [*nodes, *spares], start_method)
+                _prepare_next(warm, launcher, attempt, [*nodes, *spares], start_method, prewarm)
             time.sleep(0.05)
         if first_failed is None and not stop.is_set() and not preempt.is_set():
             first_failed, own_code = _first_failure(procs)  # all ended before a look

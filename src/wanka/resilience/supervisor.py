@@ -342,7 +342,12 @@ class Supervisor:
         """A cluster job's first launchers start importing now, under the pre-flight and the
         control store's start, as later attempts' are started under the attempt before."""
         # Not under a full pre-flight: its timed burn-in and link checks would share the CPUs.
-        if self.cluster is None or not self._forks() or self.rc.preflight == "full":
+        if (
+            self.cluster is None
+            or not self._forks()
+            or self.rc.preflight == "full"
+            or not self.rc.warm_launchers
+        ):
             return
         from wanka.resilience.cluster_attempt import WarmLaunchers
 
@@ -362,7 +367,8 @@ class Supervisor:
                           attempt, stop, self._preempt, self.run_dir / "logs",
                           launcher=self.control, warm=self._warm,
                           start_method="fork" if self._forks() else "spawn",
-                          started=lambda: out.max_step >= 0, spares=self.spare_nodes())  # fmt: skip
+                          started=lambda: out.max_step >= 0, spares=self.spare_nodes(),
+                          prewarm=self.rc.warm_launchers)  # fmt: skip
         if any(end.codes):
             out.codes = [c for c in end.codes if c]
             out.node = out.node or end.failed
