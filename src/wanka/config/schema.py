@@ -197,8 +197,8 @@ class ResilienceConfig:
     # shared run directory) or "store" (a node agent per node publishes its own ranks to a
     # control store running on one node; docs/RESILIENCE.md)
     control: Literal["files", "store"] = "files"
-    # --cluster jobs: this many of the healthy nodes stand by as hot spares (warm launchers
-    # waiting); one takes the place (and ranks) of a node named lost or hung.
+    # --cluster jobs: this many of the healthy nodes stand by as hot spares (with launchers
+    # waiting if warm_launchers); one takes the place (and ranks) of a node named lost or hung.
     spare_nodes: int = 0
     # --cluster jobs with forked ranks: each attempt's node launchers start (and import torch)
     # while the attempt before trains, so a restart finds them ready. false: every attempt
