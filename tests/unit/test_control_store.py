@@ -545,7 +545,7 @@ def control(tmp_path, monkeypatch):
 def _begin(sc, attempt: int, nodes: list, spares: list = ()) -> None:
     """begin, then wait for the stores it stops in the background (the asserts read them)."""
     sc.begin(attempt, nodes, spare_nodes=list(spares))
-    for reaper in sc._reapers:
+    for reaper in sc._reapers.threads:
         reaper.join()
 
 
@@ -604,7 +604,7 @@ def test_the_next_attempt_does_not_wait_for_a_dropped_store_to_exit(control, mon
     assert sc.primary is not p and id(p.proc) not in stopped_by
     release.set()
     sc.close()  # waits for the dropped store's reaper
-    assert stopped_by[id(p.proc)] == "wanka-store-reaper" and sc._reapers == []
+    assert stopped_by[id(p.proc)] == "wanka-store-reaper" and sc._reapers.threads == []
 
 
 def test_launchers_learn_the_store_from_their_orders(control):

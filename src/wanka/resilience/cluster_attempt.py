@@ -54,13 +54,33 @@ def start_launcher(
                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
+class Reapers:
+    """Threads that end processes no one waits for (a process that imported torch takes
+    ~0.5-1 s to exit, which a restart must not wait); `join` before the supervisor exits."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.threads: list[threading.Thread] = []
+
+    def run(self, fn: Callable[[], object]) -> None:
+        self.threads = [t for t in self.threads if t.is_alive()]
+        thread = threading.Thread(target=fn, name=self.name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
+
+
 class WarmLaunchers:
     """Launchers started ahead of the attempt that will use them, per (attempt, node)."""
 
     def __init__(self, log_dir: Path | None, launcher=None) -> None:
         self.log_dir, self.launcher = log_dir, launcher
         self.ready: dict[tuple[int, str], subprocess.Popen] = {}
-        self._reapers: list[threading.Thread] = []
+        self._reapers = Reapers("wanka-launcher-reaper")
 
     def prepare(self, attempt: int, nodes: list[Node]) -> None:
         """Start `attempt`'s launchers on `nodes` (an optimisation: a node that cannot start
@@ -101,11 +121,7 @@ class WarmLaunchers:
             for p in spares:
                 _dismiss(p)
             return
-        self._reapers = [t for t in self._reapers if t.is_alive()]
-        reaper = threading.Thread(target=lambda: [_dismiss(p) for p in spares],
-                                  name="wanka-launcher-reaper", daemon=True)  # fmt: skip
-        reaper.start()
-        self._reapers.append(reaper)
+        self._reapers.run(lambda: [_dismiss(p) for p in spares])
 
     def take(self, attempt: int, node: Node) -> subprocess.Popen:
         """This attempt's launcher for `node`: the warm one if it is still alive (a node_kill
@@ -119,9 +135,7 @@ class WarmLaunchers:
 
     def close(self) -> None:
         self._dismiss_all(list(self.ready))
-        for reaper in self._reapers:  # none left behind when the supervisor exits
-            reaper.join()
-        self._reapers = []
+        self._reapers.join()  # none left behind when the supervisor exits
 
 
 def _close_stdin(p: subprocess.Popen) -> None:

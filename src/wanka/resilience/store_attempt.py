@@ -44,6 +44,7 @@ from typing import TypeVar
 from wanka.cluster.state import NODE_LOCAL
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
+from wanka.resilience.cluster_attempt import Reapers
 from wanka.resilience.heartbeat import exit_code, exit_message
 from wanka.resilience.monitor import kill_marked
 
@@ -166,16 +167,13 @@ class StoreControl:
         self.attempt, self.world = 0, 0
         self.nodes: list[str] = []
         self._stop_event = threading.Event()  # the current attempt's: set by watch()
-        self._reapers: list[threading.Thread] = []
+        self._reapers = Reapers("wanka-store-reaper")
 
     def _stop_later(self, st: StoreProcess) -> None:
         """Stop a store no one will use again without waiting for it: a store process that
         imported torch takes ~0.5 s to exit, which the next attempt's start-up would wait."""
-        self._reapers = [t for t in self._reapers if t.is_alive()]
-        reaper = threading.Thread(target=stop_store, args=(st.proc,), daemon=True,
-                                  name="wanka-store-reaper")  # fmt: skip
-        reaper.start()
-        self._reapers.append(reaper)
+        proc = st.proc
+        self._reapers.run(lambda: stop_store(proc))
 
     def hb_dir(self, node: str, attempt: int | None = None, host: bool = False) -> Path:
         """Node `node`'s own heartbeat folder for an attempt, as its processes see it (`host`:
@@ -296,9 +294,7 @@ class StoreControl:
             if st is not None:
                 stop_store(st.proc)
         self.primary = self.standby = None
-        for reaper in self._reapers:  # no store outlives the supervisor
-            reaper.join()
-        self._reapers = []
+        self._reapers.join()  # no store outlives the supervisor
 
     # -- the launcher hooks of cluster_attempt.run_attempt ---------------------------------
     def command(self, node, argv: list[str], attempt: int) -> list[str]:
