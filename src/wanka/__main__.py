@@ -1,5 +1,5 @@
 """`python -m wanka ...`: the same CLI as the `wanka` script (benchmarks run it this way)."""
 
-from wanka.cli import main
+from wanka.cli import entry
 
-raise SystemExit(main())
+entry()

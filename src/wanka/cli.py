@@ -363,5 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `wanka` script: main(), then an exit without the interpreter's teardown (see
+    wanka/process_exit.py; ~1 s with torch imported, after every command's work is done)."""
+    from wanka.process_exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -12,6 +12,9 @@ from pathlib import Path
 from wanka.train.metrics import METRICS_FILE
 
 Row = dict[str, float]
+# Set in a train job's ranks by the supervisor that draws the loss curve itself once the ranks
+# are gone (resilience/supervisor.py): rank 0 then leaves it out of the job's end.
+LOSS_CURVE_LATER = "WANKA_LOSS_CURVE_LATER"
 # Train-loss parts drawn next to "loss" besides any key ending in "_loss".
 _EXTRA_LOSS_KEYS = ("indexer_kl", "moe_balance")
 

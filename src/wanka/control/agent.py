@@ -308,4 +308,6 @@ def run_command(agent: NodeAgent, child: subprocess.Popen, stop: threading.Event
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from wanka.process_exit import exit_now
+
+    exit_now(main())  # the supervisor waits for the agent to be gone

@@ -86,4 +86,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from wanka.process_exit import exit_now
+
+    exit_now(main())  # the job's end and a restart wait for this launcher to be gone

@@ -190,6 +190,13 @@ class Supervisor:
         self._warned: set[str] = set()
         self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
         self.nodes: list = []  # the cluster nodes of the current attempt, in node-rank order
+        # The loss curve of a train job is drawn here once the ranks are gone, not by rank 0
+        # while every other rank waits at the job's last barrier holding its node. Under Slurm
+        # each node runs its own supervisor: there rank 0 still draws it (one writer).
+        nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
+        self.draws_loss_curve = worker_argv[:1] == ["train"] and (
+            self.cluster is not None or nnodes == 1
+        )
 
     # -- one attempt -------------------------------------------------------------------------
     def _launch_config(self):
@@ -227,6 +234,10 @@ class Supervisor:
                "WANKA_HB_DIR": str(hb_dir), "WANKA_NODE": self.node,
                "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
                "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+        if self.draws_loss_curve:
+            from wanka.report import LOSS_CURVE_LATER
+
+            env[LOSS_CURVE_LATER] = "1"
         out = Outcome("success")
         self.chaos.restore_due()  # a cut that ended between attempts, before the first poll
         self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
@@ -578,7 +589,17 @@ class Supervisor:
             )
         self.chaos.close()  # a drill's full disk never outlives the job
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
+        if rc == 0 and self.draws_loss_curve:
+            self._draw_loss_curve()
         return rc
+
+    def _draw_loss_curve(self) -> None:
+        from wanka.report import plot_loss_curves
+
+        try:
+            plot_loss_curves(self.run_dir)
+        except (ValueError, OSError) as e:  # the run trained: a missing picture is not a failure
+            print(f"{self.says} loss curve not drawn: {e}", file=sys.stderr)
 
     def _repeated(self, out: Outcome) -> bool:
         """The same exception at the same step as the attempt before: deterministic (a bug or

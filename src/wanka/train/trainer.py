@@ -663,9 +663,12 @@ def _finish(job, ckpt, t_start, val_loss, train_loss, tokens_per_s, step_times, 
         "metrics_file": str(job.run_dir / "metrics.jsonl"),
     }  # fmt: skip
     if job.is_main:
-        from wanka.report import plot_loss_curves
+        from wanka.report import LOSS_CURVE_LATER, plot_loss_curves
 
-        summary["loss_curve"] = str(plot_loss_curves(job.run_dir))
+        if os.environ.get(LOSS_CURVE_LATER) == "1":  # the supervisor draws it after the job
+            summary["loss_curve"] = str(job.run_dir / "loss_curve.png")
+        else:
+            summary["loss_curve"] = str(plot_loss_curves(job.run_dir))
         (job.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         print(format_summary(summary), flush=True)
     return summary

@@ -1,0 +1,56 @@
+"""The end of a job: processes that imported torch leave without the interpreter's teardown but
+keep what a normal exit guarantees, and the supervisor (not rank 0, while every rank waits)
+draws a train job's loss curve."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from wanka.config import JobConfig
+from wanka.resilience.supervisor import Supervisor
+
+PROGRAM = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from wanka.process_exit import exit_now
+
+    out = open(sys.argv[1], "w")
+    atexit.register(lambda: (out.write("atexit ran\\n"), out.close()))
+
+    def late():
+        time.sleep(0.3)
+        out.write("thread finished\\n")
+
+    threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+    sys.stdout.write("unflushed")  # no newline, no flush
+    exit_now({code})
+""")
+
+
+@pytest.mark.parametrize("code, rc", [("None", 0), ("0", 0), ("3", 3), ("130", 130)])
+def test_exit_now_keeps_threads_atexit_and_output(tmp_path, code, rc):
+    log = tmp_path / "log.txt"
+    r = subprocess.run([sys.executable, "-c", PROGRAM.format(code=code), str(log)],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == rc, r.stderr
+    assert r.stdout == "unflushed"
+    assert log.read_text() == "thread finished\natexit ran\n"  # the thread first, as sys.exit
+
+
+def _supervisor(tmp_path, argv, rdzv=None) -> Supervisor:
+    cfg = JobConfig()
+    cfg.run.dir = str(tmp_path / "run")
+    cfg.resilience.snapshot_dir = str(tmp_path / "shm")
+    cfg.resilience.ledger = str(tmp_path / "faults.sqlite")
+    return Supervisor(cfg, argv, 2, rdzv)
+
+
+def test_only_the_one_supervisor_of_a_train_job_draws_its_loss_curve(tmp_path):
+    assert _supervisor(tmp_path, ["train", "configs/demo.toml"]).draws_loss_curve
+    assert _supervisor(tmp_path, ["train"], {"nnodes": "1"}).draws_loss_curve
+    # Under Slurm every node has a supervisor on the shared run dir: rank 0 draws it (one writer).
+    assert not _supervisor(tmp_path, ["train"], {"nnodes": "2"}).draws_loss_curve
+    assert not _supervisor(tmp_path, ["train"], {"nnodes": "1:4"}).draws_loss_curve
+    # Post-training runs draw their own curves with `wanka report`.
+    assert not _supervisor(tmp_path, ["distill", "x.toml"]).draws_loss_curve
