@@ -54,3 +54,25 @@ def test_only_the_one_supervisor_of_a_train_job_draws_its_loss_curve(tmp_path):
     assert not _supervisor(tmp_path, ["train"], {"nnodes": "1:4"}).draws_loss_curve
     # Post-training runs draw their own curves with `wanka report`.
     assert not _supervisor(tmp_path, ["distill", "x.toml"]).draws_loss_curve
+
+
+def _reference(tmp_path, overrides, drop=None):
+    from wanka.config import dump_toml, load_config
+
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    text = dump_toml(load_config("configs/demo.toml", [*overrides, f'run.dir="{ref}"']))
+    if drop:  # as written by a wanka that did not have this field yet
+        text = "\n".join(x for x in text.splitlines() if not x.startswith(drop))
+    (ref / "config.toml").write_text(text)
+    (ref / "summary.json").write_text('{"state_digest": "ab12"}')
+    return ref
+
+
+def test_a_drill_reference_from_before_a_new_field_is_still_usable(tmp_path):
+    from wanka.resilience.drill import _check_reference
+
+    sets = ["train.steps=30", 'resilience.control="store"']
+    _check_reference(_reference(tmp_path, sets, drop="warm_launchers ="), "configs/demo.toml", sets)
+    with pytest.raises(ValueError, match="another config .*steps = 30"):
+        _check_reference(tmp_path / "reference", "configs/demo.toml", ["train.steps=40"])

@@ -321,9 +321,11 @@ def _check_reference(ref: Path, config: str | None, overrides: list[str]) -> Non
 
     if not _summary(ref).get("state_digest"):
         raise ValueError(f"--reference {ref}: no finished run there (summary.json with a digest)")
-    saved = (ref / "config.toml").read_text().splitlines()
+    # Both read as configs: a field added since the reference ran takes its default on both
+    # sides, so only a value that differs makes the reference unusable.
+    saved = dump_toml(load_config(str(ref / "config.toml"), [f'run.dir="{ref}"'])).splitlines()
     want = dump_toml(load_config(config, [*overrides, f'run.dir="{ref}"'])).splitlines()
-    diff = [a for a, b in zip(saved, want) if a != b and not a.startswith("dir =")]
+    diff = [a for a, b in zip(saved, want) if a != b]
     if diff or len(saved) != len(want):
         raise ValueError(f"--reference {ref} was run with another config ({'; '.join(diff[:3])}): "
                          "use the same config and --set values, or drop --reference")  # fmt: skip
