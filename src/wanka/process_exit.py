@@ -18,12 +18,13 @@ from typing import NoReturn
 
 def exit_now(code: int | None) -> NoReturn:
     """Exit with `code` (None is 0, as for sys.exit) after what a normal exit does that can
-    matter: join the non-daemon threads, run the atexit handlers (logging's flush among them),
-    flush stdout and stderr. Only for a program's entry point, never inside a library call."""
-    me = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not me and not t.daemon and t.is_alive():
-            t.join()
+    matter: threading's own shutdown (its exit hooks, which stop idle thread-pool workers, then
+    a join of the non-daemon threads), the atexit handlers (logging's flush among them), a flush
+    of stdout and stderr. Only for a program's entry point, never inside a library call."""
+    # What the interpreter's finalisation and multiprocessing's children call first. A bare
+    # join of the non-daemon threads would wait for ever on a live ThreadPoolExecutor's idle
+    # workers: their stop is one of threading's exit hooks.
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -5,11 +5,14 @@ draws a train job's loss curve."""
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from wanka.config import JobConfig
 from wanka.resilience.supervisor import Supervisor
+
+DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
 
 PROGRAM = textwrap.dedent("""
     import atexit, sys, threading, time
@@ -23,6 +26,10 @@ PROGRAM = textwrap.dedent("""
         out.write("thread finished\\n")
 
     threading.Thread(target=late).start()  # not a daemon: a normal exit waits for it
+    # An idle pool's workers are not daemons either; threading's exit hook stops them.
+    from concurrent.futures import ThreadPoolExecutor
+    POOL = ThreadPoolExecutor(2)
+    POOL.submit(time.sleep, 0.01).result()
     sys.stdout.write("unflushed")  # no newline, no flush
     exit_now({code})
 """)
@@ -47,7 +54,7 @@ def _supervisor(tmp_path, argv, rdzv=None) -> Supervisor:
 
 
 def test_only_the_one_supervisor_of_a_train_job_draws_its_loss_curve(tmp_path):
-    assert _supervisor(tmp_path, ["train", "configs/demo.toml"]).draws_loss_curve
+    assert _supervisor(tmp_path, ["train", DEMO]).draws_loss_curve
     assert _supervisor(tmp_path, ["train"], {"nnodes": "1"}).draws_loss_curve
     # Under Slurm every node has a supervisor on the shared run dir: rank 0 draws it (one writer).
     assert not _supervisor(tmp_path, ["train"], {"nnodes": "2"}).draws_loss_curve
@@ -61,7 +68,7 @@ def _reference(tmp_path, overrides, drop=None):
 
     ref = tmp_path / "reference"
     ref.mkdir()
-    text = dump_toml(load_config("configs/demo.toml", [*overrides, f'run.dir="{ref}"']))
+    text = dump_toml(load_config(DEMO, [*overrides, f'run.dir="{ref}"']))
     if drop:  # as written by a wanka that did not have this field yet
         text = "\n".join(x for x in text.splitlines() if not x.startswith(drop))
     (ref / "config.toml").write_text(text)
@@ -73,6 +80,10 @@ def test_a_drill_reference_from_before_a_new_field_is_still_usable(tmp_path):
     from wanka.resilience.drill import _check_reference
 
     sets = ["train.steps=30", 'resilience.control="store"']
-    _check_reference(_reference(tmp_path, sets, drop="warm_launchers ="), "configs/demo.toml", sets)
+    _check_reference(_reference(tmp_path, sets, drop="warm_launchers ="), DEMO, sets)
     with pytest.raises(ValueError, match="another config .*steps = 30"):
-        _check_reference(tmp_path / "reference", "configs/demo.toml", ["train.steps=40"])
+        _check_reference(tmp_path / "reference", DEMO, ["train.steps=40"])
+    with open(tmp_path / "reference" / "config.toml", "a") as f:
+        f.write("\n[nonsense]\nx = 1\n")  # a section this wanka does not know
+    with pytest.raises(ValueError, match="its config.toml does not read with this wanka"):
+        _check_reference(tmp_path / "reference", DEMO, sets)

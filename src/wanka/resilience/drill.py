@@ -317,13 +317,17 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
 
 
 def _check_reference(ref: Path, config: str | None, overrides: list[str]) -> None:
-    from wanka.config import dump_toml, load_config
+    from wanka.config import ConfigError, dump_toml, load_config
 
     if not _summary(ref).get("state_digest"):
         raise ValueError(f"--reference {ref}: no finished run there (summary.json with a digest)")
     # Both read as configs: a field added since the reference ran takes its default on both
     # sides, so only a value that differs makes the reference unusable.
-    saved = dump_toml(load_config(str(ref / "config.toml"), [f'run.dir="{ref}"'])).splitlines()
+    try:
+        saved = dump_toml(load_config(str(ref / "config.toml"), [f'run.dir="{ref}"'])).splitlines()
+    except ConfigError as e:
+        raise ValueError(f"--reference {ref}: its config.toml does not read with this wanka ({e}); "
+                         "drop --reference to run a new one") from None  # fmt: skip
     want = dump_toml(load_config(config, [*overrides, f'run.dir="{ref}"'])).splitlines()
     diff = [a for a, b in zip(saved, want) if a != b]
     if diff or len(saved) != len(want):

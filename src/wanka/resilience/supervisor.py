@@ -121,6 +121,16 @@ def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
         sys.exit(rc)
 
 
+def _file_id(path: Path) -> tuple | None:
+    """What tells a rewritten file from the one that was there (no clock comparison: the run
+    directory may be on a file server with a clock of its own)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
 class Supervisor:
     def __init__(self, cfg: JobConfig, worker_argv: list[str], nproc: int,
                  rdzv: dict | None = None, chaos: list[Fault] | None = None,
@@ -510,6 +520,7 @@ class Supervisor:
 
         t_job = time.time()
         self.timeline.event("job", t_job, None, job=self.job, node=self.node)
+        summary_before = _file_id(self.run_dir / "summary.json")  # an earlier run's, if any
         self._catch_stop_requests()
         self._start_first_launchers()
         if self.rc.preflight != "off":
@@ -589,7 +600,9 @@ class Supervisor:
             )
         self.chaos.close()  # a drill's full disk never outlives the job
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
-        if rc == 0 and self.draws_loss_curve:
+        # Whenever rank 0 finished (its summary names the picture), even if the job then ended
+        # non-zero (stopped or a peer lost at the last barrier).
+        if self.draws_loss_curve and _file_id(self.run_dir / "summary.json") != summary_before:
             self._draw_loss_curve()
         return rc
 
@@ -598,7 +611,7 @@ class Supervisor:
 
         try:
             plot_loss_curves(self.run_dir)
-        except (ValueError, OSError) as e:  # the run trained: a missing picture is not a failure
+        except Exception as e:  # the run trained: a missing picture is not a failure
             print(f"{self.says} loss curve not drawn: {e}", file=sys.stderr)
 
     def _repeated(self, out: Outcome) -> bool:
