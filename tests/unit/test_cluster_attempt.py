@@ -315,3 +315,34 @@ def test_an_attempt_uses_torchruns_static_rendezvous_with_node_i_as_node_rank_i(
         assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 2)
         assert config.local_addr == node.addr
         assert int(config.rdzv_configs["timeout"]) == 120  # not torchrun's 900 s
+
+
+@pytest.mark.parametrize("warm_launchers, preflight, forks, cluster, expect", [
+    (True, "static", True, True, True),
+    (False, "static", True, True, False),  # resilience.warm_launchers = false: cold, later
+    (True, "full", True, True, False),  # a full pre-flight's timed checks get the CPUs alone
+    (True, "static", False, True, False),  # spawning ranks gain nothing from a warm import
+    (True, "static", True, False, False),  # a single-node job has no node launchers
+])  # fmt: skip
+def test_the_first_attempts_launchers_start_under_the_preflight_only_when_warm(
+    monkeypatch, tmp_path, warm_launchers, preflight, forks, cluster, expect
+):
+    import types
+
+    from wanka.resilience.supervisor import Supervisor
+
+    prepared = []
+    monkeypatch.setattr(ca.WarmLaunchers, "prepare",
+                        lambda self, attempt, nodes: prepared.append((attempt, [n.name for n in nodes])))  # fmt: skip
+    sup = types.SimpleNamespace(
+        cluster=STATE if cluster else None,
+        _forks=lambda: forks,
+        run_dir=tmp_path,
+        control=None,
+        rc=types.SimpleNamespace(preflight=preflight, warm_launchers=warm_launchers),
+        attempt_nodes=lambda: list(NODES),
+        _warm=None,
+    )
+    Supervisor._start_first_launchers(sup)
+    assert prepared == ([(1, ["n0", "n1"])] if expect else [])
+    assert (sup._warm is not None) == expect
