@@ -203,9 +203,9 @@ class Supervisor:
         # The loss curve of a train job is drawn here once the ranks are gone, not by rank 0
         # while every other rank waits at the job's last barrier holding its node. Under Slurm
         # each node runs its own supervisor: there rank 0 still draws it (one writer).
-        nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
+        self.nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])  # torchrun's max
         self.draws_loss_curve = worker_argv[:1] == ["train"] and (
-            self.cluster is not None or nnodes == 1
+            self.cluster is not None or self.nnodes == 1
         )
 
     # -- one attempt -------------------------------------------------------------------------
@@ -666,9 +666,7 @@ class Supervisor:
     def _preflight(self, live: bool) -> int:
         from wanka.resilience.preflight import preflight
 
-        nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])
-        if self.cluster is not None:
-            nnodes = len(self.attempt_nodes())
+        nnodes = len(self.attempt_nodes()) if self.cluster is not None else self.nnodes
         t0 = time.time()
         report = preflight(self.cfg, self.nproc, nnodes=nnodes, live=live, rdzv=self.rdzv)
         self.timeline.event("preflight", t0, time.time(), ok=report.ok)
