@@ -10,7 +10,8 @@ Configuration, from the environment:
                     {"host": "n0", "netns": "wanka-x-n0", "hosts": "/path/hosts"} runs it in
                     the network namespace, in its own UTS and mount namespaces with hostname
                     `host` and `hosts` bind-mounted on /etc/hosts: a node whose hostname
-                    resolves to its own address, as on a real cluster.
+                    resolves to its own address, as on a real cluster; with
+                    "shm": "/path" too, that folder is the node's own /dev/shm.
 
 What each does, as the real one does (and only that):
   srun [--nodes=N] [--ntasks=N] [--ntasks-per-node=1] [--kill-on-bad-exit[=0|1]] [--wait=S] CMD
@@ -41,6 +42,7 @@ from pathlib import Path
 KILL_WAIT_S = 15.0
 # Inside a node: its own hostname and /etc/hosts, then the task's command.
 NODE_SHELL = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+SHM_SHELL = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
 
 
 def fail(msg: str) -> None:
@@ -118,6 +120,8 @@ def srun(argv: list[str]) -> int:
                    SLURM_NNODES=str(n), SLURM_NTASKS=str(n), SLURM_STEP_ID="0",
                    SLURMD_NODENAME=node["host"])  # fmt: skip
         cmd = list(argv)
+        if "shm" in node:  # inside the mount namespace below: only this task sees it
+            cmd = ["sh", "-c", SHM_SHELL, "fake-shm", node["shm"], *cmd]
         if "netns" in node:
             cmd = ["ip", "netns", "exec", node["netns"], "unshare", "--uts", "--mount", "--",
                    "sh", "-c", NODE_SHELL, "fake-slurmstepd", node["hosts"], node["host"], *cmd]  # fmt: skip

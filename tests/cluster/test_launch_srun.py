@@ -36,7 +36,7 @@ def cluster():
         yield c
 
 
-def write_script(tmp: Path, steps: int, every: int) -> Path:
+def write_script(tmp: Path, steps: int, every: int, extra: tuple[str, ...] = ()) -> Path:
     """The sbatch script for a tiny 2-node x 1-rank job, through the real CLI handler."""
     import argparse
 
@@ -50,7 +50,7 @@ def write_script(tmp: Path, steps: int, every: int) -> Path:
             "train.log_every=1",
             f'run.dir="{tmp / "run"}"', f'data.cache_dir="{tmp / "cache"}"',
             f'resilience.ledger="{tmp / "faults.sqlite"}"',
-            f'resilience.snapshot_dir="{tmp / "shm"}"']  # fmt: skip
+            f'resilience.snapshot_dir="{tmp / "shm"}"', *extra]  # fmt: skip
     argv = ["launch", "--slurm", "configs/demo.toml", "--nodes", "2", "--nproc", "1",
             "--time", "00:10:00", "--out", str(tmp / "job.sbatch"),
             *sum((["--set", s] for s in sets), [])]  # fmt: skip
@@ -69,21 +69,33 @@ def write_script(tmp: Path, steps: int, every: int) -> Path:
     return script
 
 
-def start(cluster, tmp: Path, script: Path, restart: int = 0) -> subprocess.Popen:
+def start(cluster, tmp: Path, script: Path, restart: int = 0,
+          private_shm: bool = False) -> subprocess.Popen:  # fmt: skip
     """bash SCRIPT as the batch shell of job JOB_ID on nodes n0, n1 (SLURM_JOB_NODELIST n[0-1]),
-    `restart` times requeued."""
+    `restart` times requeued; `private_shm`: each node's task sees its own /dev/shm."""
     bin_dir = tmp / "bin"
     subprocess.run([sys.executable, str(FAKE_SLURM), "install", str(bin_dir)], check=True)
     nodes = cluster.state.nodes
     hosts = tmp / "hosts"  # every node's /etc/hosts: its peers by name, as DNS would have them
     hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.addr} {n.name}\n" for n in nodes))
     fake_nodes = [{"host": n.name, "netns": n.netns, "hosts": str(hosts)} for n in nodes]
+    if private_shm:
+        for fake, n in zip(fake_nodes, nodes):
+            fake["shm"] = str(shm_of(n))
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID,
                SLURM_JOB_NODELIST="n[0-1]", FAKE_SLURM_NODES=json.dumps(fake_nodes),
                FAKE_SLURM_DIR=str(tmp / "slurm"), OMP_NUM_THREADS="1",
                SLURM_RESTART_COUNT=str(restart))  # fmt: skip
     log = open(tmp / "slurm.out", "a")  # noqa: SIM115 - the job's output file, appended
     return subprocess.Popen(["bash", str(script)], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def shm_of(node) -> Path:
+    """Where the host sees the node's own /dev/shm (a fresh folder per node)."""
+    shm = Path(node.root or f"/dev/shm/wanka-test-{node.name}") / "shm"
+    shm.mkdir(parents=True, exist_ok=True)
+    shm.chmod(0o1777)
+    return shm
 
 
 def finish(p: subprocess.Popen, tmp: Path, timeout: float = 240) -> int:
@@ -156,3 +168,75 @@ def test_time_limit_warning_last_gasp_requeue_and_resume(cluster, tmp_path):
     assert resumes == [(stopped_at, "disk")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
+
+
+def test_store_control_names_a_remote_crash_and_restarts_every_host(cluster, tmp_path):
+    """resilience.control = store under Slurm: one supervisor per node, the one on n0 (the
+    rendezvous host) coordinates. A rank killed on n1 is named there, with its node, by n0 from
+    the control store; both nodes restart on its word and the job finishes. Heartbeats live in
+    each node's own /dev/shm: none in the shared run directory."""
+    steps = 40
+    script = write_script(tmp_path, steps=steps, every=5,
+                          extra=('resilience.control="store"',))  # fmt: skip
+    run = tmp_path / "run"
+    n1 = next(n for n in cluster.state.nodes if n.name == "n1")
+    p = start(cluster, tmp_path, script, private_shm=True)
+    hb = shm_of(n1) / "wanka-control" / f"{JOB_ID}.0" / "n1" / "attempt1"
+    deadline = time.monotonic() + 180
+    while _metrics_step(run) < 3 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    from wanka.resilience.heartbeat import read_all
+
+    beats = read_all(hb)
+    assert 1 in beats and p.poll() is None, (
+        sorted(beats),
+        (tmp_path / "slurm.out").read_text()[-4000:],
+    )
+    os.kill(beats[1].pid, signal.SIGKILL)  # rank 1, on n1
+    rc = finish(p, tmp_path)
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 0, out[-4000:]
+    assert "rank 1 on node n1: process_crash" in out, out[-4000:]
+    assert "restart as the coordinator (n0) decided" in out, out[-4000:]
+    faults = [e for e in map(json.loads, (run / "resilience" / "timeline.jsonl").read_text().splitlines())
+              if e.get("kind") == "fault"]  # fmt: skip
+    assert [(f["cause"], f["rank"], f["node"]) for f in faults] == [("process_crash", 1, "n1")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["world_size"] == 2
+    assert not list((run / "resilience").glob("hb/rank*")), "heartbeats went through the run dir"
+    assert not hb.parent.exists()  # each host clears its own folder at the end
+
+
+def test_store_control_the_coordinators_host_lost_ends_the_others_within_the_limit(
+    cluster, tmp_path
+):
+    """Every process of n0's task killed at once (its host went: the supervisor that
+    coordinates, its ranks, the control store). n1 can no longer reach the store: within the
+    agents' limit (10 s) it stops its ranks and ends, naming n0, instead of waiting for a
+    decision that cannot come; Slurm requeues the job (a node failure) and it resumes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_slurm", FAKE_SLURM)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    script = write_script(tmp_path, steps=400, every=1000,
+                          extra=('resilience.control="store"',))  # fmt: skip
+    run = tmp_path / "run"
+    p = start(cluster, tmp_path, script, private_shm=True)
+    deadline = time.monotonic() + 180
+    while _metrics_step(run) < 2 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
+    (step,) = (tmp_path / "slurm" / "steps").glob(f"{JOB_ID}.*")
+    n0_task = int(step.read_text().split()[0])
+    t_kill = time.monotonic()
+    fake.signal_tree([n0_task], signal.SIGKILL)
+    rc = finish(p, tmp_path, timeout=120)
+    took = time.monotonic() - t_kill
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 128 + signal.SIGKILL, out[-4000:]  # srun: the highest task code, n0's
+    assert "wanka train: node n0: node_lost (the control store at n0:29501 was unreachable" in out
+    assert "n1: task 1: Exited with exit code 1" in out, out[-4000:]
+    print(f"n1 ended {took:.1f} s after n0 was killed")
+    assert took < 10 + 10, took  # the limit, plus the last failed call and the exit
+    assert _metrics_step(run) < 400

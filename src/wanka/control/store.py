@@ -12,6 +12,8 @@ one agent per host connects as a client. Keys, relative to wanka/{job}/:
     decision              JSON {"action", "attempt", "reason", "seq", "t"}: the coordinator's
     decision/seq          the decisions' counter (store.add)
     done/{node}           JSON: the last decision that node's agent carried out, and when
+    verdict, next, ...    JSON written with put(): the fault an attempt ended on, what follows
+                          it (resilience/host_control.py)
 
 A rank's record and its state travel in one value, so a reader never pairs a new record with an
 old state. Every store call that fails for want of the server raises ConnectionError naming
@@ -205,6 +207,14 @@ class ControlStore:
 
     def read_decision(self) -> dict | None:
         return self._json(self._key("decision"))
+
+    def put(self, name: str, value: dict) -> None:
+        """A JSON value under wanka/{job}/{name}."""
+        self._call("write a key", self.store.set, self._key(name), json.dumps(value))
+
+    def get(self, name: str) -> dict | None:
+        """What put() wrote under `name`, or None (without waiting for it)."""
+        return self._json(self._key(name))
 
     def report_done(self, node: str, decision: dict, detail: str) -> None:
         value = {**decision, "detail": detail, "done_t": time.time()}

@@ -68,8 +68,8 @@ def check_options(nodes: int, o: K8sOptions) -> None:
         raise ValueError(f"--namespace {o.namespace!r}: lower-case letters, digits and '-'")
     if o.max_restarts < 0 or o.grace_s < 0:
         raise ValueError("--max-restarts and --grace-seconds must be 0 or more")
-    if not 0 < o.rdzv_port < 65536:
-        raise ValueError(f"--rdzv-port must be 1-65535 (got {o.rdzv_port})")
+    if not 0 < o.rdzv_port < 65535:  # the control store takes the next port
+        raise ValueError(f"--rdzv-port must be 1-65534 (got {o.rdzv_port})")
     if o.pvc is not None:
         claim, _, path = o.pvc.partition(":")
         if not _DNS_LABEL.match(claim) or not path.startswith("/"):
@@ -90,7 +90,11 @@ def _pod_template(job: Job, o: K8sOptions, command: list[str], restart: str, por
         "command": command,
         # The node, not the pod: what the fault ledger records and anti-affinity excludes.
         "env": [{"name": "WANKA_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
-        "ports": [{"name": port, "containerPort": o.rdzv_port, "protocol": "TCP"}],
+        # The control store (resilience.control = "store") listens next to the rendezvous.
+        "ports": [
+            {"name": port, "containerPort": o.rdzv_port, "protocol": "TCP"},
+            {"name": "wanka-control", "containerPort": o.rdzv_port + 1, "protocol": "TCP"},
+        ],  # fmt: skip
         # In-memory snapshots live in /dev/shm; a container's default one is 64 MiB.
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }

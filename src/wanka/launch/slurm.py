@@ -78,8 +78,8 @@ def check_resources(res: SlurmResources) -> None:
     if res.time is not None and res.warn_s >= parse_time(res.time):
         raise ValueError(f"--warn-seconds {res.warn_s} is not shorter than --time {res.time}: "
                          "the warning would come before the job starts")  # fmt: skip
-    if not 0 < res.rdzv_port < 65536:
-        raise ValueError(f"--rdzv-port must be 1-65535 (got {res.rdzv_port})")
+    if not 0 < res.rdzv_port < 65535:  # the control store takes the next port
+        raise ValueError(f"--rdzv-port must be 1-65534 (got {res.rdzv_port})")
 
 
 def _directives(job: Job, res: SlurmResources, chdir: str) -> list[str]:
@@ -154,6 +154,8 @@ request_stop() {{
 trap 'request_stop time-limit' USR1
 trap 'request_stop preempted' TERM
 
+# With resilience.control = "store", the supervisor on $head coordinates the others through a
+# control store on port {port + 1}: it names each fault with its node and decides the restarts.
 # WANKA_NODE: the fault ledger names nodes as Slurm does, so `--exclude` can use them later.
 # The rendezvous id changes with each requeue: a run never mistakes the run-directory lock of
 # an earlier run of this job (killed before it could release it) for a peer's.

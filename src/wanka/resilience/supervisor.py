@@ -189,13 +189,23 @@ class Supervisor:
                         self.chaos.cluster.set_link(n.name, True)
                     except ValueError:
                         pass  # no link to restore (node removed): its start says so
-        self.control = None  # resilience.control = "store": resilience/store_attempt.py
+        self.nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])  # torchrun's max
+        # resilience.control = "store": resilience/store_attempt.py on the cluster-in-a-box,
+        # resilience/host_control.py for one supervisor per host (Slurm, Kubernetes).
+        self.control = None
+        self.follows = False  # a host that carries out another host's decisions
         if self.rc.control == "store" and self.cluster is not None:
             from wanka.resilience.store_attempt import StoreControl
 
             self.control = StoreControl(self)
+        elif self.rc.control == "store" and self.nnodes > 1:
+            from wanka.resilience.host_control import HostControl
+
+            self.control = HostControl(self)
+            self.follows = not self.control.coordinating
         elif self.rc.control == "store":
-            log.warning("resilience.control = store applies to --cluster jobs: watching files")
+            log.warning("resilience.control = store applies to jobs of several nodes: "
+                        "watching files")  # fmt: skip
         self._preempt = threading.Event()
         self._warned: set[str] = set()
         self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
@@ -203,19 +213,19 @@ class Supervisor:
         # The loss curve of a train job is drawn here once the ranks are gone, not by rank 0
         # while every other rank waits at the job's last barrier holding its node. Under Slurm
         # each node runs its own supervisor: there rank 0 still draws it (one writer).
-        self.nnodes = int(str(self.rdzv.get("nnodes") or 1).split(":")[-1])  # torchrun's max
         self.draws_loss_curve = worker_argv[:1] == ["train"] and (
             self.cluster is not None or self.nnodes == 1
         )
 
     # -- one attempt -------------------------------------------------------------------------
-    def _launch_config(self):
+    def _launch_config(self, attempt: int = 1):
         from torch.distributed.run import config_from_args, parse_args
 
         from wanka.distributed.launch import quiet_launcher_logs, torchrun_args
 
         quiet_launcher_logs()  # config_from_args prints torchrun's OMP_NUM_THREADS banner
-        config, _, _ = config_from_args(parse_args(torchrun_args(self.nproc, self.rdzv, ["x"])))
+        rdzv = self.control.rdzv(attempt) if self._hosts() else self.rdzv
+        config, _, _ = config_from_args(parse_args(torchrun_args(self.nproc, rdzv, ["x"])))
         # Fork is the point (no interpreter start, no re-import) but CUDA/NPU state does not
         # survive a fork: accelerator jobs spawn.
         from wanka.device import resolve_device_type
@@ -236,7 +246,8 @@ class Supervisor:
 
         quiet_launcher_logs()  # we report faults in one line
 
-        hb_dir = self.dir / "hb"
+        # Across hosts with the control store, each host's own folder (its agent publishes it).
+        hb_dir = self.control.hb_dir(attempt) if self._hosts() else self.dir / "hb"
         # Under Slurm every node runs a supervisor on the shared run directory: they race here.
         for old in hb_dir.glob("rank*.*") if hb_dir.is_dir() else ():
             old.unlink(missing_ok=True)
@@ -259,7 +270,7 @@ class Supervisor:
                       f"{', '.join(n.name for n in prev if n not in self.nodes)}",
                       file=sys.stderr, flush=True)  # fmt: skip
         if self.control is not None:
-            self.control.begin(attempt, self.nodes, self.spare_nodes())
+            self.control.begin(attempt, self.nodes, self.spare_nodes() if self.cluster else [])
         watch = self.control.watch if self.control is not None else self._watch
         watcher = threading.Thread(target=watch, args=(hb_dir, attempt, out, stop),
                                    name="wanka-monitor", daemon=True)  # fmt: skip
@@ -270,7 +281,7 @@ class Supervisor:
             if self.cluster is not None:
                 self._cluster_attempt(attempt, env, out, stop)
             else:
-                elastic_launch(self._launch_config(), _worker_entry)(self.worker_argv, env)
+                elastic_launch(self._launch_config(attempt), _worker_entry)(self.worker_argv, env)
         except ChildFailedError as e:
             out.codes = [f.exitcode for f in e.failures.values()]
             out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
@@ -310,7 +321,13 @@ class Supervisor:
         elif out.cause == "user_error":  # rank 0's words first: every rank usually says the same
             ranks = sorted(int(p.stem[4:]) for p in hb_dir.glob("rank*.exit"))
             out.said = next(filter(None, (exit_message(hb_dir, r) for r in ranks)), None)
+        if self._hosts():  # the other hosts' ranks stop too, whoever saw the fault first
+            self.control.conclude(attempt, out)
         return out
+
+    def _hosts(self) -> bool:
+        """One supervisor per host, coordinated through the control store (host_control.py)."""
+        return self.control is not None and self.cluster is None
 
     def _catch_stop_requests(self) -> None:
         """A stop request between attempts (or on the cluster, where no elastic agent runs in
@@ -534,6 +551,21 @@ class Supervisor:
             self.timeline.attempt = attempt
             out = self._attempt(attempt)
             self.outcomes.append(out)
+            if self.follows and out.cause != "preempted" and not self._preempt.is_set():
+                nxt = self.control.wait_next(attempt)
+                if nxt["action"] == "restart":
+                    print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}); restart as "
+                          f"the coordinator ({self.control.host}) decided", file=sys.stderr,
+                          flush=True)  # fmt: skip
+                    continue
+                rc = int(nxt["rc"])
+                self.control.said_read(attempt)
+                if nxt.get("own"):  # no coordinator left to say anything
+                    print(f"{self.says} {nxt['message']}", file=sys.stderr)
+                elif rc:
+                    print(f"{self.says} the coordinator ({self.control.host}) ended the job "
+                          f"(exit {rc}): {nxt['message']}", file=sys.stderr)  # fmt: skip
+                break
             if out.cause == "success":
                 rc = 0
                 break
@@ -583,21 +615,21 @@ class Supervisor:
                 if out.error
                 else ""
             )
-            # With the control store the fault's node is known for sure: say it first.
-            at = ""
-            if self.control is not None or out.cause == "node_lost":
-                from wanka.resilience.store_attempt import where
-
-                at = where(out)
-            print(f"{self.says} {at}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
+            print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             time.sleep(delay)
             if self.rc.preflight != "off" and self._preflight(live=False):
                 rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
                 break
+            if self._hosts():
+                self.control.announce(attempt, "restart")
             self.timeline.event(
                 "restart", out.t_detect or time.time(), time.time(), cause=out.cause
             )
+        if self._hosts() and not self.follows:
+            last = self.outcomes[-1] if self.outcomes else None
+            self.control.announce(attempt, "end", rc,
+                                  f"{last.cause}: {last.detail}" if last else "")  # fmt: skip
         self.chaos.close()  # a drill's full disk never outlives the job
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
         # Whenever rank 0 finished (its summary names the picture), even if the job then ended
@@ -605,6 +637,14 @@ class Supervisor:
         if self.draws_loss_curve and _file_id(self.run_dir / "summary.json") != summary_before:
             self._draw_loss_curve()
         return rc
+
+    def _where(self, out: Outcome) -> str:
+        """With the control store the fault's node is known for sure: said first."""
+        if self.control is None and out.cause != "node_lost":
+            return ""
+        from wanka.resilience.store_attempt import where
+
+        return where(out)
 
     def _draw_loss_curve(self) -> None:
         from wanka.report import plot_loss_curves

@@ -1,0 +1,304 @@
+"""resilience.control = "store" for a job of several hosts that torchrun's rendezvous brings
+together (`wanka launch --slurm`, `--k8s`): one supervisor per host, one of them the coordinator.
+
+Each host's `wanka train` supervises its own ranks (resilience/supervisor.py); without the store
+each would see a remote rank's death as a local hang in a collective and decide alone. Here:
+
+* The coordinator is the host torchrun's c10d rendezvous store runs on (SLURM_NODEID 0, else
+  the host the rendezvous endpoint names, torch's own rule). Its supervisor serves the control
+  store, a TCPStore on the rendezvous port + 1 (WANKA_CONTROL_PORT), for the job's lifetime;
+  the others connect to it. Keys live under wanka/RDZV_ID/aN/ (control/store.py): the
+  rendezvous id is the one name every host of the job shares (Slurm: job id and requeue count).
+* Every host runs a node agent (control/agent.py) as a thread of its supervisor: it reads its
+  own ranks' heartbeat files, in a host-local folder (/dev/shm), never the run directory, and
+  publishes them, their process states and exit marks; on a stop decision it kills its ranks.
+* The coordinator's Coordinator (control/coordinator.py) names the fault from the store alone
+  ("rank 1 on node n1: process_crash"), writes it as the attempt's verdict, and decides:
+  stop, then restart (attempt N+1, after the back-off) or end (with the job's exit code). The
+  others follow: they never decide on their own, and start attempt N+1 when told.
+* A host that cannot reach the store for AGENT_TIMEOUT_S (the coordinator's host died or is
+  cut off) stops its ranks and ends with exit 1: nobody is left to decide, and Slurm requeues
+  the job (a node failure) or the user resubmits; it resumes from the newest DCP checkpoint.
+
+Each attempt meets at a rendezvous of its own (RDZV_ID.aN): torch's c10d rendezvous is closed
+once an attempt's agents shut down, and a closed one cannot be joined again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from wanka.control.agent import NodeAgent
+from wanka.control.coordinator import Coordinator
+from wanka.control.store import ControlStore
+
+log = logging.getLogger("wanka.supervisor")
+AGENT_POLL_S = 0.1
+AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
+CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
+CONTROL_PORT_ENV = "WANKA_CONTROL_PORT"
+
+
+def is_coordinator(rdzv_host: str) -> bool:
+    """This host coordinates: Slurm's node 0, else the host the rendezvous endpoint names."""
+    node_id = os.environ.get("SLURM_NODEID")
+    if node_id is not None:
+        return node_id.strip() == "0"
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return _matches_machine_hostname(rdzv_host)
+
+
+def control_address(rdzv: dict) -> tuple[str, int]:
+    """(host, port) of the control store: the rendezvous host, its port + 1 unless set."""
+    endpoint = str(rdzv.get("rdzv_endpoint") or "")
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"resilience.control = store across hosts needs --rdzv-endpoint "
+                         f"HOST:PORT (got {endpoint!r})")  # fmt: skip
+    given = os.environ.get(CONTROL_PORT_ENV)
+    if given is not None and not given.isdigit():
+        raise ValueError(f"{CONTROL_PORT_ENV}={given!r}: a port number, e.g. 29501")
+    return host.strip("[]"), int(given) if given else int(port) + 1
+
+
+def local_hb_root() -> Path:
+    """Host-local folder for the ranks' heartbeat files: memory, not the shared run dir."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "wanka-control"
+
+
+class HostControl:
+    """One host's side of the control plane; `sup` is its Supervisor (nnodes > 1, no cluster)."""
+
+    def __init__(self, sup) -> None:
+        self.sup = sup
+        self.rdzv_id = str(sup.rdzv.get("rdzv_id") or "")
+        if not self.rdzv_id or self.rdzv_id == "none":
+            raise ValueError("resilience.control = store across hosts needs --rdzv-id (the "
+                             "job's name on every host, e.g. $SLURM_JOB_ID)")  # fmt: skip
+        self.host, self.port = control_address(sup.rdzv)
+        self.coordinating = is_coordinator(self.host)
+        self.world = sup.nproc * sup.nnodes
+        self.attempt = 0
+        self.view: ControlStore | None = None  # this attempt's keys
+        self.agent: NodeAgent | None = None
+        self.coordinator: Coordinator | None = None
+        self.hb_root = local_hb_root() / _safe(self.rdzv_id) / _safe(sup.node)
+        try:
+            if self.coordinating:
+                self.server = ControlStore.serve("0.0.0.0", self.port, self.rdzv_id)
+            else:
+                self.server = ControlStore.connect(self.host, self.port, self.rdzv_id, CONNECT_S)
+        except ConnectionError as e:
+            raise ValueError(f"resilience.control = store: {e}") from None
+        self.orphaned = False
+
+    # -- per attempt ----------------------------------------------------------------------------
+    def hb_dir(self, attempt: int) -> Path:
+        return self.hb_root / f"attempt{attempt}"
+
+    def rdzv(self, attempt: int) -> dict:
+        """torchrun's rendezvous flags for `attempt`: a rendezvous of its own."""
+        return {**self.sup.rdzv, "rdzv_id": f"{self.rdzv_id}.a{attempt}"}
+
+    def begin(self, attempt: int, _nodes=(), _spares=()) -> None:
+        import shutil
+
+        shutil.rmtree(self.hb_root, ignore_errors=True)  # earlier attempts' records
+        self.hb_dir(attempt).mkdir(parents=True, exist_ok=True)
+        s = self.server
+        self.attempt = attempt
+        self.view = ControlStore(s.store, s.host, s.port, f"{self.rdzv_id}/a{attempt}")
+        self.agent = NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
+                               pgid=0, kill=self._kill_local, attempt=attempt,
+                               orphan_s=AGENT_TIMEOUT_S)  # fmt: skip
+        if self.coordinating:
+            self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
+                                           AGENT_TIMEOUT_S, attempt=attempt,
+                                           home=self.sup.node)  # fmt: skip
+
+    def _kill_local(self, _pgid: int, sig: int) -> None:
+        """A stop: this host's ranks, the children of this process (the elastic agent forks
+        or spawns them; one still starting has no heartbeat record to name it)."""
+        me = os.getpid()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+                if int(text[text.rindex(")") + 2 :].split()[1]) == me:
+                    os.kill(int(stat.parent.name), sig)
+            except (OSError, ValueError):
+                pass
+
+    # -- watching ---------------------------------------------------------------------------
+    def watch(self, _hb_dir: Path, attempt: int, out, stop: threading.Event) -> None:
+        """The supervisor's monitor thread: publish this host's ranks; the coordinator also
+        names faults and decides; a follower carries out the decisions."""
+        last_ok = time.monotonic()
+        failing = False
+        while True:
+            last = stop.wait(AGENT_POLL_S)
+            now = time.time()
+            try:
+                self.agent.poll_once()  # publishes; a stop decision kills our ranks
+                failing, last_ok = False, time.monotonic()
+                if self._look(attempt, out, now, final=last):
+                    return
+            except ConnectionError as e:
+                if not failing:
+                    log.error("control store: %s", e)
+                failing = True
+                if not self.coordinating and time.monotonic() - last_ok > AGENT_TIMEOUT_S:
+                    self._orphaned(out, now)
+                    return
+            except Exception as e:  # the monitor must outlive any one bad poll
+                log.error("monitor poll failed: %s", e)
+            if last:
+                return
+
+    def _look(self, attempt: int, out, now: float, final: bool) -> bool:
+        reports = self.view.read_ranks(self.world)
+        steps = [rep.beat.step for rep in reports.values() if rep.beat.attempt == attempt]
+        out.max_step = max([out.max_step, *steps])
+        if not self.coordinating:
+            verdict = self.view.get("verdict")
+            if verdict is None:
+                return False
+            _fill(out, verdict)
+            return True
+        fault = self.coordinator.check(now, final=final)
+        if fault is None:
+            return False
+        out.cause, out.rank, out.node, out.detail = (
+            fault.cause,
+            fault.rank,
+            fault.node,
+            fault.detail,
+        )
+        out.t_fault, out.t_detect = fault.t_fault or now, now
+        self.view.put("verdict", {"cause": out.cause, "rank": out.rank, "node": out.node,
+                                  "detail": out.detail, "t_fault": out.t_fault,
+                                  "t_detect": out.t_detect})  # fmt: skip
+        self.coordinator.decide_stop(attempt, fault.describe())  # every agent kills its ranks
+        self.agent.poll_once()  # ours at once
+        return True
+
+    def _orphaned(self, out, now: float) -> None:
+        self.agent._fence()
+        out.cause, out.rank, out.node = "node_lost", None, self.host
+        out.detail = (f"the control store at {self.host}:{self.port} was unreachable for "
+                      f"{AGENT_TIMEOUT_S:.0f} s: the coordinator's host is gone or cut off")  # fmt: skip
+        out.t_detect = now
+        self.orphaned = True
+
+    def conclude(self, attempt: int, out) -> None:
+        """After `attempt` ended here. The coordinator makes sure the others stop too when it
+        ended on a fault seen here first (its own rank died: the agent ended the attempt before
+        the store named it): the verdict is its own, the stop decision follows."""
+        if not self.coordinating or out.cause in ("success", "preempted"):
+            return
+        try:
+            if self.view.get("verdict") is None:
+                self.view.put("verdict", {"cause": out.cause, "rank": out.rank,
+                                          "node": out.node or self.sup.node,
+                                          "detail": out.detail, "t_fault": out.t_fault,
+                                          "t_detect": out.t_detect})  # fmt: skip
+                self.coordinator.decide_stop(attempt, f"{out.cause}: {out.detail}")
+        except ConnectionError as e:
+            log.error("control store: %s", e)
+
+    def exit_marks(self) -> dict[int, tuple[int, str]] | None:
+        """Rank -> (exit code, message) of the ranks that exited on purpose (all hosts')."""
+        try:
+            self.agent.poll_once()  # our ranks' last marks, before anyone reads them
+            return {r: (e.code, e.message) for r, e in self.view.read_exits(self.world).items()}
+        except (ConnectionError, RuntimeError) as e:
+            log.error("control store: %s", e)
+            return None
+
+    # -- between attempts -------------------------------------------------------------------
+    def announce(self, attempt: int, action: str, rc: int = 0, message: str = "") -> None:
+        """The coordinator's word on what follows `attempt`: "restart" or "end" (with rc)."""
+        if not self.coordinating or self.view is None:
+            return
+        value = {"action": action, "rc": rc, "message": message, "t": time.time()}
+        try:
+            ControlStore(self.server.store, self.host, self.port,
+                         f"{self.rdzv_id}/a{attempt}").put("next", value)  # fmt: skip
+        except ConnectionError as e:
+            log.error("control store: %s", e)
+
+    def wait_next(self, attempt: int) -> dict:
+        """A follower, after `attempt` ended here: the coordinator's word on what follows. The
+        coordinator may sleep a back-off first; a store gone for AGENT_TIMEOUT_S ends the job."""
+        gone = {"action": "end", "rc": 1, "own": True,
+                "message": f"node {self.host}: node_lost (the control store at {self.host}:"
+                f"{self.port} was unreachable for {AGENT_TIMEOUT_S:.0f} s: the coordinator's "
+                "host is gone or cut off); this host's ranks are stopped and the job ends here "
+                "(a requeued or resubmitted job resumes from the newest checkpoint)"}  # fmt: skip
+        if self.orphaned:
+            return gone
+        view = ControlStore(self.server.store, self.host, self.port, f"{self.rdzv_id}/a{attempt}")
+        last_ok = time.monotonic()
+        while True:
+            try:
+                # Our agent keeps publishing meanwhile: the coordinator names a death of ours
+                # (process_crash) from it, and would take our silence for a lost host.
+                if attempt == self.attempt:
+                    self.agent.poll_once()
+                nxt = view.get("next")
+                last_ok = time.monotonic()
+                if nxt is not None:
+                    return nxt
+            except ConnectionError:
+                if time.monotonic() - last_ok > AGENT_TIMEOUT_S:
+                    return gone
+            time.sleep(AGENT_POLL_S)
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.hb_root, ignore_errors=True)
+        if self.coordinating:
+            # Followers read the last "next" after we are done with it: wait for each (a
+            # moment), so our store does not go before they have read the job's end.
+            self._wait_followers_read()
+
+    def _wait_followers_read(self, timeout_s: float = 10.0) -> None:
+        if self.view is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            nodes = [n for n in self.view.nodes() if n != self.sup.node]
+            while time.monotonic() < deadline:
+                if all(self.view.get(f"read/{n}") is not None for n in nodes):
+                    return
+                time.sleep(AGENT_POLL_S)
+        except ConnectionError:
+            pass
+
+    def said_read(self, attempt: int) -> None:
+        """A follower read the job's end: the coordinator may stop serving."""
+        try:
+            ControlStore(self.server.store, self.host, self.port,
+                         f"{self.rdzv_id}/a{attempt}").put(f"read/{self.sup.node}", {"t": time.time()})  # fmt: skip
+        except ConnectionError:
+            pass
+
+
+def _fill(out, verdict: dict) -> None:
+    out.cause, out.rank, out.node = verdict["cause"], verdict["rank"], verdict["node"]
+    out.detail, out.t_fault, out.t_detect = (
+        verdict["detail"],
+        verdict["t_fault"],
+        verdict["t_detect"],
+    )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "job"

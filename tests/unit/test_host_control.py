@@ -1,0 +1,151 @@
+"""resilience/host_control.py: one supervisor per host (Slurm, Kubernetes) coordinated through
+the control store. The whole path runs under the stand-in srun in tests/cluster/
+test_launch_srun.py; here the parts, against a real TCPStore in this process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from wanka.resilience import host_control as hc
+from wanka.resilience.monitor import Timeouts
+from wanka.resilience.supervisor import Outcome
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "77.0"):
+    rdzv = {"rdzv_endpoint": f"127.0.0.1:{port - 1}", "rdzv_id": rdzv_id, "nnodes": nnodes}
+    return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node,
+                           timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
+
+
+@pytest.fixture
+def pair(tmp_path, monkeypatch):
+    """The coordinator's and a follower's HostControl for one job (2 hosts x 1 rank)."""
+    port = _free_port()
+    monkeypatch.setattr(hc, "local_hb_root", lambda: tmp_path / "shm")
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    head = hc.HostControl(fake_sup(tmp_path, "n0", port))
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    follower = hc.HostControl(fake_sup(tmp_path, "n1", port))
+    yield head, follower
+
+
+def test_address_role_and_one_line_errors(monkeypatch):
+    assert hc.control_address({"rdzv_endpoint": "gpu-a01:29500"}) == ("gpu-a01", 29501)
+    monkeypatch.setenv(hc.CONTROL_PORT_ENV, "31000")
+    assert hc.control_address({"rdzv_endpoint": "[fe80::1]:29500"}) == ("fe80::1", 31000)
+    monkeypatch.setenv(hc.CONTROL_PORT_ENV, "31k")
+    with pytest.raises(ValueError, match="WANKA_CONTROL_PORT='31k'"):
+        hc.control_address({"rdzv_endpoint": "h:1"})
+    with pytest.raises(ValueError, match="needs --rdzv-endpoint HOST:PORT"):
+        hc.control_address({"rdzv_endpoint": None})
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    assert not hc.is_coordinator(socket.gethostname())
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert hc.is_coordinator("some-other-host")
+    monkeypatch.delenv("SLURM_NODEID")
+    assert hc.is_coordinator(socket.gethostname())  # torch's rule: the endpoint names us
+    assert not hc.is_coordinator("host-that-is-not-this-one.invalid")
+
+
+def test_no_rendezvous_id_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    with pytest.raises(ValueError, match="needs --rdzv-id"):
+        hc.HostControl(fake_sup(tmp_path, "n0", _free_port(), rdzv_id="none"))
+
+
+def test_each_attempt_meets_at_a_rendezvous_of_its_own(pair):
+    head, follower = pair
+    assert head.coordinating and not follower.coordinating
+    assert head.rdzv(1)["rdzv_id"] == follower.rdzv(1)["rdzv_id"] == "77.0.a1"
+    assert head.rdzv(2)["rdzv_id"] == "77.0.a2"
+    assert head.hb_dir(1) != follower.hb_dir(1)  # each host's own folder
+
+
+def test_a_fault_seen_first_by_the_coordinator_stops_the_followers(pair, monkeypatch):
+    """The coordinator's own rank died: its agent ended the attempt before the store named
+    anything. conclude() writes the verdict and the stop; the follower's agent carries it out
+    (kills its ranks), its watch reports the same fault, and it waits for what follows."""
+    head, follower = pair
+    killed = []
+    monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
+    for c in (head, follower):
+        c.begin(1)
+    follower.agent.kill = follower._kill_local
+    out = Outcome("process_crash", rank=0, detail="rank 0 died in forward of step 4",
+                  t_fault=time.time(), t_detect=time.time(), node="n0")  # fmt: skip
+    head.conclude(1, out)
+    seen = Outcome("success")
+    stop = threading.Event()
+    t = threading.Thread(target=follower.watch, args=(None, 1, seen, stop))
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert killed, "the follower's ranks were not stopped"
+    assert (seen.cause, seen.rank, seen.node) == ("process_crash", 0, "n0")
+    # What follows: the follower waits (publishing) until the coordinator says.
+    got = {}
+    w = threading.Thread(target=lambda: got.update(follower.wait_next(1)))
+    w.start()
+    time.sleep(0.3)
+    assert w.is_alive() and not got
+    head.announce(1, "restart")
+    w.join(timeout=5)
+    assert got["action"] == "restart"
+    head.begin(2)
+    follower.begin(2)
+    head.announce(2, "end", 2, "user_error: bad config")
+    nxt = follower.wait_next(2)
+    assert (nxt["action"], nxt["rc"], nxt["message"]) == ("end", 2, "user_error: bad config")
+
+
+def test_a_follower_that_loses_the_store_while_training_stops_its_ranks(pair, monkeypatch):
+    """The coordinator's host went: nobody is left to decide, the follower's ranks must not
+    train on (or wait on gloo) for ever."""
+    head, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)
+    killed = []
+    follower.begin(1)
+    follower.agent.kill = lambda _pgid, sig: killed.append(sig)
+    out, stop = Outcome("success"), threading.Event()
+    t = threading.Thread(target=follower.watch, args=(None, 1, out, stop))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and out.cause == "success"  # the store answers: nothing to do
+    head.server.store = None
+    del head
+    import gc
+
+    gc.collect()
+    t.join(timeout=30)
+    assert not t.is_alive() and killed
+    assert (out.cause, out.rank, out.node) == ("node_lost", None, "127.0.0.1")
+    assert "unreachable" in out.detail
+    assert follower.wait_next(1)["rc"] == 1  # at once: no second wait for the same store
+
+
+def test_a_follower_whose_coordinator_is_gone_ends_the_job(pair, monkeypatch):
+    head, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)
+    follower.begin(1)
+    head.server.store = None  # drop the server: the follower's client now fails
+    del head
+    import gc
+
+    gc.collect()
+    t0 = time.monotonic()
+    nxt = follower.wait_next(1)
+    assert nxt["action"] == "end" and nxt["rc"] == 1
+    assert "node 127.0.0.1: node_lost (the control store at 127.0.0.1:" in nxt["message"]
+    assert time.monotonic() - t0 < 30
