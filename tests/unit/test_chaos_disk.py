@@ -409,3 +409,21 @@ def test_disk_full_rows_of_the_drill_table(tmp_path):
     quiet = [e for e in ev if "cause" not in e and "kill" not in e.get("fault", "")]
     [quiet] = injected_faults(quiet, "disk_full@step=2,for=5", tmp_path)
     assert not quiet["detected"] and quiet["steps_lost"] == 0
+
+
+def test_drill_rows_say_whether_detection_came_within_the_learned_limit(tmp_path):
+    """The supervisor writes the limit each fault was judged by (limit_s) into its timeline
+    fault event; the drill compares the detection latency with it (one poll's slack)."""
+    ev = [{"kind": "job", "t0": 0.0, "t1": 30.0}]
+    ev += [{"kind": "step", "t0": float(s), "t1": s + 0.9, "step": s} for s in range(20)]
+    ev += [{"kind": "chaos", "t0": 2.0, "t1": 2.0, "fault": "stop@step=2,rank=1"},
+           {"kind": "fault", "t0": 2.1, "t1": 5.3, "cause": "hang", "limit_s": 3.0},
+           {"kind": "chaos", "t0": 9.0, "t1": 9.0, "fault": "stop@step=9,rank=1"},
+           {"kind": "fault", "t0": 9.1, "t1": 19.0, "cause": "hang", "limit_s": 3.0},
+           {"kind": "chaos", "t0": 21.0, "t1": 21.0, "fault": "kill@step=21,rank=1"},
+           {"kind": "fault", "t0": 21.0, "t1": 21.2, "cause": "process_crash"}]  # fmt: skip
+    sched = "stop@step=2,rank=1;stop@step=9,rank=1;kill@step=21,rank=1"
+    fast, slow, old = injected_faults(ev, sched, tmp_path)
+    assert (fast["limit_s"], fast["within_limit"]) == (3.0, True)  # 3.3 s: the limit + a poll
+    assert (slow["limit_s"], slow["within_limit"]) == (3.0, False)  # 10 s: a fixed time-out
+    assert (old["limit_s"], old["within_limit"]) == (None, None)  # a timeline from before

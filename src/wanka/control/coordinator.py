@@ -45,6 +45,7 @@ class ControlFault:
     detail: str  # worded as the supervisor words it for the ledger and the timeline
     t_fault: float | None = None  # when it happened as far as known, on the coordinator's clock
     state: str | None = None  # the culprit rank's process state, as its node saw it
+    limit_s: float | None = None  # the learned hang limit it was detected within
 
     def describe(self) -> str:
         where = (
@@ -127,7 +128,8 @@ class Coordinator:
         node = max(over, key=lambda n: silent[n])  # the first to go quiet
         detail = (f"agent silent for {silent[node]:.1f} s, limit "
                   f"{self._silence_limit(node, ranks):.1f} s")  # fmt: skip
-        return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1])
+        return ControlFault("node_lost", None, node, detail, t_fault=self._heard[node][1],
+                            limit_s=self._silence_limit(node, ranks))  # fmt: skip
 
     def _home_cut_off(self, now: float, silent: dict[str, float]) -> ControlFault | None:
         """Every other node went quiet at once while the store's own node still beats (or
@@ -150,7 +152,8 @@ class Coordinator:
         detail = (f"the control store on it was unreachable from every other node "
                   f"({', '.join(sorted(others))}) for {quiet:.1f} s {beat}: its link is cut")  # fmt: skip
         return ControlFault("node_lost", None, home, detail,
-                            t_fault=max(self._heard[n][1] for n in others))  # fmt: skip
+                            t_fault=max(self._heard[n][1] for n in others),
+                            limit_s=self.agent_timeout_s)  # fmt: skip
 
     def _late(self, node: str, now: float) -> bool:
         _, t, poll_s = self._heard[node]
@@ -210,7 +213,8 @@ class Coordinator:
             detail = f"rank {rank} died in {rep.beat.phase} of step {rep.beat.step + 1}, {how}"
         node = rep.node if rep else exit_.node if exit_ else None
         return ControlFault(cause, rank, node, detail, t_fault=now,
-                            state=rep.state if rep else None)  # fmt: skip
+                            state=rep.state if rep else None,
+                            limit_s=self.monitor.limit(rep.beat) if rep else None)  # fmt: skip
 
     def _hung(self, ranks: dict[int, RankReport], now: float) -> ControlFault | None:
         def since(rep: RankReport) -> float:  # when it entered its phase, on our clock
@@ -225,7 +229,7 @@ class Coordinator:
         hang = Hang(c.beat.rank, c.beat.phase, c.beat.step, since(c), now - since(c),
                     self.monitor.limit(c.beat), c.state)  # fmt: skip
         return ControlFault("hang", c.beat.rank, c.node, hang.describe(), t_fault=since(c),
-                            state=c.state)  # fmt: skip
+                            state=c.state, limit_s=hang.limit_s)  # fmt: skip
 
 
 def _finished(ranks: dict[int, RankReport]) -> set[str]:

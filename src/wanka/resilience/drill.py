@@ -258,6 +258,8 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
             res.update(goodput=g.goodput, wall_timeline_s=g.wall_s, steps_lost=g.steps_lost,
                        breakdown=g.breakdown,
                        injected=injected_faults(events, schedule, run_dir / "resilience" / "chaos"))  # fmt: skip
+            rows = res["injected"]  # how many were named within their learned hang limit
+            res["within_limit"] = f"{sum(bool(r['within_limit']) for r in rows)}/{len(rows)}"
         runs[name] = res
     ref = runs["reference"]["digest"]
     for res in runs.values():
@@ -267,6 +269,9 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}  # fmt: skip
     (out_dir / "drill.json").write_text(json.dumps(result, indent=1, default=str))
     return result
+
+
+LIMIT_SLACK_S = 1.0  # the polls (0.05-0.5 s) between a limit passing and the look that sees it
 
 
 def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict]:
@@ -308,8 +313,13 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
             nxt = next((e for e in steps if e["t0"] >= t_det), None)
             to_productive = nxt["t1"] - t_det if nxt else None
         redone = {e["step"] for e in after if e["step"] < interrupted}
+        detect_s = (det["t1"] or det["t0"]) - t_inj if det else None
+        limit = det.get("limit_s") if det else None
         rows.append({"kind": kind, "t": t_inj, "detected": det is not None,
-                     "detect_s": (det["t1"] or det["t0"]) - t_inj if det else None,
+                     "detect_s": detect_s, "limit_s": limit,
+                     # The monitor looks every poll: a hang is named one poll past its limit.
+                     "within_limit": None if limit is None or detect_s is None
+                     else detect_s <= limit + LIMIT_SLACK_S,
                      "detected_as": det.get("cause") if det else None, "node": node,
                      "named_node": det.get("node") if det else None,
                      "to_productive_s": to_productive, "steps_lost": len(redone)})  # fmt: skip
@@ -345,14 +355,15 @@ def format_drill(result: dict) -> str:
                      f"{'== reference' if r['state_equal'] else '!= reference'} | exit {r['rc']}")  # fmt: skip
         nodes = result.get("cluster")  # where the fault struck, and where it was said to be
         lines.append(f"  {'fault':<14}{'node':>5}{'detected':>9}{'as':>25}{'on':>5}{'detect s':>10}"
-                     f"{'to productive s':>17}{'steps lost':>12}" if nodes else
+                     f"{'limit s':>9}{'to productive s':>17}{'steps lost':>12}" if nodes else
                      f"  {'fault':<14}{'detected':>9}{'as':>25}{'detect s':>10}"
-                     f"{'to productive s':>17}{'steps lost':>12}")  # fmt: skip
+                     f"{'limit s':>9}{'to productive s':>17}{'steps lost':>12}")  # fmt: skip
         for f in r.get("injected", []):
-            lat, rec = f["detect_s"], f["to_productive_s"]
+            lat, rec, lim = f["detect_s"], f["to_productive_s"], f.get("limit_s")
             where = f"{f.get('node') or '-':>5}" if nodes else ""
             on = f"{f.get('named_node') or '-':>5}" if nodes else ""
             lines.append(f"  {f['kind']:<14}{where}{'yes' if f['detected'] else 'no':>9}"
                          f"{str(f['detected_as'] or '-'):>25}{on}{'-' if lat is None else f'{lat:.2f}':>10}"
+                         f"{'-' if lim is None else f'{lim:.1f}':>9}"
                          f"{'-' if rec is None else f'{rec:.2f}':>17}{f['steps_lost']:>12}")  # fmt: skip
     return "\n".join(lines)

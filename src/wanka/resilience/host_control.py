@@ -180,10 +180,8 @@ class HostControl:
             fault.node,
             fault.detail,
         )
-        out.t_fault, out.t_detect = fault.t_fault or now, now
-        self.view.put("verdict", {"cause": out.cause, "rank": out.rank, "node": out.node,
-                                  "detail": out.detail, "t_fault": out.t_fault,
-                                  "t_detect": out.t_detect})  # fmt: skip
+        out.t_fault, out.t_detect, out.limit_s = fault.t_fault or now, now, fault.limit_s
+        self.view.put("verdict", _verdict(out))
         self.coordinator.decide_stop(attempt, fault.describe())  # every agent kills its ranks
         self.agent.poll_once()  # ours at once
         return True
@@ -204,10 +202,7 @@ class HostControl:
             return
         try:
             if self.view.get("verdict") is None:
-                self.view.put("verdict", {"cause": out.cause, "rank": out.rank,
-                                          "node": out.node or self.sup.node,
-                                          "detail": out.detail, "t_fault": out.t_fault,
-                                          "t_detect": out.t_detect})  # fmt: skip
+                self.view.put("verdict", _verdict(out, self.sup.node))
                 self.coordinator.decide_stop(attempt, f"{out.cause}: {out.detail}")
         except ConnectionError as e:
             log.error("control store: %s", e)
@@ -291,13 +286,16 @@ class HostControl:
             pass
 
 
+def _verdict(out, node: str | None = None) -> dict:
+    return {"cause": out.cause, "rank": out.rank, "node": out.node or node,
+            "detail": out.detail, "t_fault": out.t_fault, "t_detect": out.t_detect,
+            "limit_s": out.limit_s}  # fmt: skip
+
+
 def _fill(out, verdict: dict) -> None:
     out.cause, out.rank, out.node = verdict["cause"], verdict["rank"], verdict["node"]
-    out.detail, out.t_fault, out.t_detect = (
-        verdict["detail"],
-        verdict["t_fault"],
-        verdict["t_detect"],
-    )
+    out.detail, out.t_fault = verdict["detail"], verdict["t_fault"]
+    out.t_detect, out.limit_s = verdict["t_detect"], verdict.get("limit_s")
 
 
 def _safe(name: str) -> str:

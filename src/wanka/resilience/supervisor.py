@@ -36,6 +36,9 @@ from wanka.resilience.heartbeat import exit_code, exit_message, node_of, read_al
 from wanka.resilience.ledger import EvictionPolicy, FaultLedger
 from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state, stragglers
 
+# The phases of a training step (heartbeat.py's, less start-up and the end).
+TRAIN_PHASES = ("data", "sync", "forward", "backward", "optimizer", "snapshot", "checkpoint")
+
 log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a last-gasp checkpoint; relaunch
@@ -57,6 +60,7 @@ class Outcome:
     error: str | None = None  # the failed rank's last exception line, from its log
     said: str | None = None  # user_error: what the rank said (one line), printed by run()
     launcher_killed: tuple[str, int] | None = None  # (node, code): its launcher died of a signal
+    limit_s: float | None = None  # the learned hang limit the fault was detected within
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -492,9 +496,11 @@ class Supervisor:
             if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
                 out.cause = "user_error"  # it said why in one line; retrying cannot help
             out.t_fault = self.chaos.fault_time(b.rank) or now
+            out.limit_s = monitor.limit(b)
         else:
             out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
             out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
+            out.limit_s = hang.limit_s
             dump_stacks(beats, self.run_dir / "logs" / f"stacks-attempt{attempt}.txt")
         out.t_detect = now
         out.node = node_of(hb_dir, out.rank)
@@ -665,8 +671,10 @@ class Supervisor:
     def _record_fault(self, out: Outcome, attempt: int) -> bool:
         """Record the fault in the timeline and ledger; True when it got a node evicted."""
         t1 = out.t_detect or time.time()
+        if out.limit_s is None:  # no culprit rank's phase: the longest any phase's hang may last
+            out.limit_s = max(self.timeouts.limit(p) for p in TRAIN_PHASES)
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
-                            node=out.node or self.node, detail=out.detail,
+                            node=out.node or self.node, detail=out.detail, limit_s=out.limit_s,
                             injected=self.chaos.fault_time(out.rank, out.node) is not None)  # fmt: skip
         node = out.node or self.node
         injected = self.chaos.fault_time(out.rank, out.node) is not None
