@@ -98,7 +98,10 @@ def lost_line(stderr: str) -> re.Match:
 
 def test_killed_rank_is_named_with_its_node_and_the_job_recovers(three_nodes, tmp_path,
                                                                  reference):  # fmt: skip
-    r, run, summary = train(three_nodes, tmp_path, "run", "kill@step=3,rank=1", SPARE)
+    # A slow step after the restart: an inside fault, whose mark the rank writes to its node's
+    # own folder and the node's agent publishes through the store.
+    r, run, summary = train(three_nodes, tmp_path, "run",
+                            "kill@step=3,rank=1;slow@step=5,rank=1,ms=50,steps=1", SPARE)  # fmt: skip
     m = fault_line(r.stderr, "process_crash")
     assert m.group(1) == "1" and "died in" in m.group(3)
     assert m.group(2) == node_of_rank(three_nodes, run, 1, attempt=1)
@@ -114,6 +117,12 @@ def test_killed_rank_is_named_with_its_node_and_the_job_recovers(three_nodes, tm
     # no heartbeat landed in the run directory; every rank wrote to its node's own memory.
     assert not list((run / "resilience" / "hb").glob("rank*.hb"))
     assert not list(run.rglob("rank*.hb")) and not list(run.rglob("rank*.node"))
+    job = (run / "resilience" / "job_id").read_text().strip()
+    node = next(n for n in three_nodes.state.nodes if n.name == m.group(2))
+    local = Path(node.root, "local", job, node.name, "attempt2", "chaos", "1.fired")  # 2nd fault
+    assert local.is_file()  # the rank marked its own node's folder ...
+    kept = run / "resilience" / "chaos" / "1.fired"  # ... the supervisor, from the store
+    assert kept.stat().st_mtime == local.stat().st_mtime
 
 
 @pytest.mark.slow  # the hang limit is waited out; the crash case covers the wiring in CI

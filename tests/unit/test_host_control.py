@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "77.0"):
     rdzv = {"rdzv_endpoint": f"127.0.0.1:{port - 1}", "rdzv_id": rdzv_id, "nnodes": nnodes}
-    return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node,
+    chaos = SimpleNamespace(inside_ids=lambda: [], note_fired=lambda marks: None)
+    return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node, chaos=chaos,
                            timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
 
 
@@ -149,3 +150,34 @@ def test_a_follower_whose_coordinator_is_gone_ends_the_job(pair, monkeypatch):
     assert nxt["action"] == "end" and nxt["rc"] == 1
     assert "node 127.0.0.1: node_lost (the control store at 127.0.0.1:" in nxt["message"]
     assert time.monotonic() - t0 < 30
+
+
+def test_chaos_marks_travel_through_the_store_not_the_run_directory(tmp_path):
+    """A drill's inside fault (slow, nan) fires in a rank, which marks its node's own folder;
+    the node's agent publishes the mark; the supervisor records it (no replay in the next
+    attempt; the drill reads when it fired from the run directory the supervisor writes)."""
+    from wanka.control.agent import NodeAgent
+    from wanka.control.store import ControlStore
+    from wanka.resilience.chaos import ChaosDriver, WorkerChaos, parse_schedule
+
+    server = ControlStore.serve("127.0.0.1", 0, "j")
+    view = ControlStore(server.store, server.host, server.port, "j/a1")
+    hb = tmp_path / "node-local" / "attempt1"
+    faults = parse_schedule("slow@step=4,rank=1,ms=10,steps=1;kill@step=9,rank=0")
+    driver = ChaosDriver(faults, tmp_path / "run", "j", str(tmp_path / "shm"), timeline=None)
+    spec = driver.worker_spec()
+    assert "slow@step=4" in spec and driver.inside_ids() == [faults[0].id]
+    rank = WorkerChaos(spec, 1, hb / "chaos")  # as worker.py builds it from WANKA_CHAOS_MARKS
+    assert rank.delay(3) > 0  # the 4th step (0-based 3) fires it: marks the node's folder
+    agent = NodeAgent(view, "n1", hb, attempt=1)
+    agent.poll_once()
+    ((fid, (t, node)),) = view.read_chaos(driver.inside_ids()).items()
+    assert fid == faults[0].id and node == "n1"
+    assert t == (hb / "chaos" / f"{fid}.fired").stat().st_mtime
+    driver.note_fired(view.read_chaos(driver.inside_ids()))
+    mark = tmp_path / "run" / "resilience" / "chaos" / f"{fid}.fired"
+    assert mark.stat().st_mtime == t  # written by the supervisor, dated when it fired
+    assert "slow" not in driver.worker_spec()  # not replayed by the next attempt
+    assert driver.injected_inside("slow", 1)
+    agent.poll_once()  # published once
+    assert agent._marks_sent == {fid}

@@ -56,6 +56,7 @@ class NodeAgent:
         self.fenced = False
         self._sent: dict[int, bytes] = {}  # rank -> the record + state last published
         self._exits_sent: dict[int, tuple] = {}
+        self._marks_sent: set[int] = set()  # chaos marks (fault ids) published
         self._pids: dict[int, tuple[int, int]] = {}  # rank -> (pid, attempt) of its record
         store.register_node(node)
         # Without an attempt to match, a stop written before this agent started (an earlier
@@ -70,6 +71,7 @@ class NodeAgent:
         # and the coordinator never takes an exit on purpose (a user error) for a crash.
         ranks = self._read_ranks()
         self._publish_exits({r: beat.attempt for r, (_, beat, _) in ranks.items()})
+        self._publish_chaos_marks()
         self._publish_ranks(ranks)
         self.store.beat_agent(self.node, self.poll_s)
         return self._follow_decision()
@@ -140,6 +142,19 @@ class NodeAgent:
             if self._exits_sent.get(rank) != said:
                 self.store.report_exit(rank, said[0], said[1], self.node, said[2])
                 self._exits_sent[rank] = said
+
+    def _publish_chaos_marks(self) -> None:
+        """A drill's inside faults (nan, slow) mark HB_DIR/chaos/ID.fired when they fire."""
+        folder = self.hb_dir / "chaos"
+        for p in folder.glob("*.fired") if folder.is_dir() else ():
+            if not p.stem.isdigit() or int(p.stem) in self._marks_sent:
+                continue
+            try:
+                t = p.stat().st_mtime
+            except OSError:
+                continue
+            self.store.report_chaos(int(p.stem), t, self.node)
+            self._marks_sent.add(int(p.stem))
 
     def _follow_decision(self) -> dict | None:
         d = self.store.read_decision()

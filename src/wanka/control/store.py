@@ -12,6 +12,7 @@ one agent per host connects as a client. Keys, relative to wanka/{job}/:
     decision              JSON {"action", "attempt", "reason", "seq", "t"}: the coordinator's
     decision/seq          the decisions' counter (store.add)
     done/{node}           JSON: the last decision that node's agent carried out, and when
+    chaos/{id}            JSON {"t", "node"}: an injected fault fired inside a rank (its mark)
     verdict, next, ...    JSON written with put(): the fault an attempt ended on, what follows
                           it (resilience/host_control.py)
 
@@ -160,6 +161,20 @@ class ControlStore:
             v = json.loads(raw)
             r = keys[key]
             out[r] = ExitReport(r, v["code"], v["message"], v["node"], v["attempt"])
+        return out
+
+    def report_chaos(self, fault_id: int, t: float, node: str) -> None:
+        """A drill's fault fired inside a rank on `node` at `t` (the rank's mark file)."""
+        value = json.dumps({"t": t, "node": node})
+        self._call("report a chaos mark", self.store.set, self._key("chaos", fault_id), value)
+
+    def read_chaos(self, fault_ids: list[int]) -> dict[int, tuple[float, str]]:
+        """fault id -> (when, node) of those among `fault_ids` that fired."""
+        keys = {self._key("chaos", i): i for i in fault_ids}
+        out = {}
+        for key, raw in self._get_many(list(keys)).items():
+            v = json.loads(raw)
+            out[keys[key]] = (float(v["t"]), v["node"])
         return out
 
     # -- agents ------------------------------------------------------------------------------

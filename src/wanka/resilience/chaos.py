@@ -200,6 +200,23 @@ class ChaosDriver:
             if fid not in self.fired:
                 self.fired[fid] = p.stat().st_mtime
 
+    def inside_ids(self) -> list[int]:
+        """The faults that fire inside a rank and mark it (nan, slow)."""
+        return [f.id for f in self.faults if f.kind in ("nan", "slow")]
+
+    def note_fired(self, marks: dict[int, tuple[float, str]]) -> None:
+        """Inside faults that fired, as the control store reports them (fault id -> when,
+        node): recorded as if the rank had marked the run directory (a resubmitted job does
+        not replay them; the drill reads when they fired)."""
+        for fid, (t, _node) in marks.items():
+            if fid in self.fired:
+                continue
+            self.fired[fid] = t
+            self.marks.mkdir(parents=True, exist_ok=True)
+            mark = self.marks / f"{fid}.fired"
+            mark.touch()
+            os.utime(mark, (t, t))
+
     def injected_inside(self, kind: str, rank: int) -> bool:
         """A fault of `kind` fired inside rank `rank` (its mark file exists): e.g. a straggler
         the drill made, which says nothing about the node."""

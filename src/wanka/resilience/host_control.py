@@ -165,6 +165,8 @@ class HostControl:
         reports = self.view.read_ranks(self.world)
         steps = [rep.beat.step for rep in reports.values() if rep.beat.attempt == attempt]
         out.max_step = max([out.max_step, *steps])
+        if ids := self.sup.chaos.inside_ids():  # every host: none replays a fault that fired
+            self.sup.chaos.note_fired(self.view.read_chaos(ids))
         if not self.coordinating:
             verdict = self.view.get("verdict")
             if verdict is None:

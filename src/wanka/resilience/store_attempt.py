@@ -312,7 +312,8 @@ class StoreControl:
         return {**orders, "store": {"host": s.host, "port": s.port}}
 
     def env(self, node, env: dict[str, str], attempt: int) -> dict[str, str]:
-        return {**env, "WANKA_HB_DIR": str(self.hb_dir(node.name, attempt))}
+        hb = self.hb_dir(node.name, attempt)  # the node's own: its agent publishes it all
+        return {**env, "WANKA_HB_DIR": str(hb), "WANKA_CHAOS_MARKS": str(hb / "chaos")}
 
     def kill(self, node: str, _p: subprocess.Popen) -> None:
         """The end of a node's attempt, whatever its agent managed."""
@@ -347,6 +348,8 @@ class StoreControl:
         # Chaos signals the ranks by pid: the cluster-in-a-box's nodes share one pid space.
         sup.chaos.poll(beats, now, attempt, node_of=lambda r: getattr(reports.get(r), "node", None))
         sup.note_stragglers(beats, lambda r: reports[r].node, now, flagged)
+        if ids := sup.chaos.inside_ids():  # a drill's nan/slow faults that fired, per node
+            sup.chaos.note_fired(self.store.read_chaos(ids))
         fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False

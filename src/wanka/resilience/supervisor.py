@@ -259,6 +259,8 @@ class Supervisor:
                "WANKA_HB_DIR": str(hb_dir), "WANKA_NODE": self.node,
                "WANKA_LAUNCH_TIME": repr(time.time()), "WANKA_MTBF_S": repr(self._mtbf()),
                "WANKA_CHAOS": self.chaos.worker_spec(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # fmt: skip
+        if self._hosts():  # a drill's inside faults mark the host's own folder, not the run dir
+            env["WANKA_CHAOS_MARKS"] = str(hb_dir / "chaos")
         if self.draws_loss_curve:
             from wanka.report import LOSS_CURVE_LATER
 

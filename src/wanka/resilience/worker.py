@@ -77,7 +77,10 @@ class Runtime:
         hb = env.get("WANKA_HB_DIR")
         self.progress = Reporter(Path(hb), rank, self.attempt) if hb else NullReporter()
         run_dir = Path(cfg.run.dir)
-        self.chaos = WorkerChaos(env.get("WANKA_CHAOS", ""), rank, run_dir / "resilience" / "chaos")
+        # Where an inside fault (nan, slow) marks that it fired: the run directory, or with the
+        # control store the node's own folder, which its agent publishes (control/agent.py).
+        marks = env.get("WANKA_CHAOS_MARKS") or run_dir / "resilience" / "chaos"
+        self.chaos = WorkerChaos(env.get("WANKA_CHAOS", ""), rank, Path(marks))
         self.timeline = None
         if rank == 0 and (self.supervised or env.get("WANKA_TIMELINE") == "1"):
             from wanka.resilience.goodput import TimelineWriter
