@@ -12,6 +12,7 @@ lost or hung. The slow cases without a spare (the lost node itself comes back, c
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from wanka.cluster.fixtures import cluster_up, skip_unless_available
+from wanka.cluster.nodes import OWN_RUN_DIR_ENV, node_run_dir
 from wanka.resilience.ledger import EvictionPolicy, Fault, FaultLedger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +29,11 @@ STEPS = 6
 SPARE = "resilience.spare_nodes=1"
 
 
-def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str, world: int = 2):
+def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str, world: int = 2,
+          own_run_dirs: bool = False):  # fmt: skip
+    """`own_run_dirs`: each node sees its own run directory but for `checkpoints/` (shared
+    storage, as DCP expects), so whatever else a rank writes there (logs, metrics, the summary,
+    the timeline) no other node and not the supervisor can read; the summary comes from n0's."""
     run = tmp_path / name  # snapshots: the default /dev/shm/wanka, each node's own
     sets = ["data.seq_len=64", "train.micro_batch_size=2", f"train.steps={STEPS}",
             "train.warmup_steps=2", "model.index_topk=16", "train.eval_every=1000",
@@ -38,8 +44,15 @@ def train(cluster, tmp_path: Path, name: str, chaos: str | None, *extra: str, wo
     argv = [sys.executable, "-m", "wanka.cli", "train", "configs/demo.toml", "--cluster",
             "--nproc", "1", "--cluster-state", cluster.state_dir,
             *(["--chaos", chaos] if chaos else []), *sum((["--set", s] for s in sets), [])]  # fmt: skip
-    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
+    env = dict(os.environ, **({OWN_RUN_DIR_ENV: "1"} if own_run_dirs else {}))
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    if own_run_dirs:
+        assert not (run / "summary.json").exists() and not (run / "metrics.jsonl").exists()
+        n0 = next(n for n in cluster.state.nodes if n.name == "n0")
+        summary = json.loads((node_run_dir(n0, run) / "summary.json").read_text())
+        assert summary["steps"] == STEPS and summary["world_size"] == world
+        return r, run, summary
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == world
     return r, run, summary
@@ -61,10 +74,14 @@ def node_of_rank(cluster, run: Path, rank: int, attempt: int) -> str:
     return found[0]
 
 
-def resumed_from_snapshot(run: Path) -> list[str]:
+def resumed_from_snapshot(run: Path, cluster=None) -> list[str]:
+    """The ranks whose logs say they resumed from a snapshot (`cluster`: in every node's own
+    copy of the run directory)."""
+    dirs = [node_run_dir(n, run) for n in cluster.state.nodes] if cluster else [run]
     return [
         p.name
-        for p in (run / "logs").glob("rank*.log")
+        for d in dirs
+        for p in (d / "logs").glob("rank*.log")
         if "resumed from the in-memory snapshot of step" in p.read_text(errors="replace")
     ]
 
@@ -100,8 +117,11 @@ def test_killed_rank_is_named_with_its_node_and_the_job_recovers(three_nodes, tm
                                                                  reference):  # fmt: skip
     # A slow step after the restart: an inside fault, whose mark the rank writes to its node's
     # own folder and the node's agent publishes through the store.
+    # Each node has its own run directory but for the checkpoints: the supervisor learns of
+    # the ranks only through the store, the ranks of each other only over the network.
     r, run, summary = train(three_nodes, tmp_path, "run",
-                            "kill@step=3,rank=1;slow@step=5,rank=1,ms=50,steps=1", SPARE)  # fmt: skip
+                            "kill@step=3,rank=1;slow@step=5,rank=1,ms=50,steps=1", SPARE,
+                            own_run_dirs=True)  # fmt: skip
     m = fault_line(r.stderr, "process_crash")
     assert m.group(1) == "1" and "died in" in m.group(3)
     assert m.group(2) == node_of_rank(three_nodes, run, 1, attempt=1)
@@ -112,7 +132,7 @@ def test_killed_rank_is_named_with_its_node_and_the_job_recovers(three_nodes, tm
     fault = ledger_fault(tmp_path)
     assert (fault.cause, fault.rank, fault.node) == ("process_crash", 1, m.group(2))
     assert summary["state_digest"] == reference["state_digest"]
-    assert len(resumed_from_snapshot(run)) == 2
+    assert len(resumed_from_snapshot(run, three_nodes)) == 2
     # Nothing went through the shared filesystem: the default mode's folder stayed empty, and
     # no heartbeat landed in the run directory; every rank wrote to its node's own memory.
     assert not list((run / "resilience" / "hb").glob("rank*.hb"))

@@ -24,6 +24,15 @@ from wanka.cluster.state import NODE_LOCAL, ClusterState, Node, require, save
 # /dev/shm, which also covers the host's, so no node sees another's; then the command itself.
 NODES_SHM = "/dev/shm/wanka-nodes"
 _PRIVATE = 'mount --bind "$1/local" "$2" && mount --bind "$1/shm" /dev/shm && shift 2 && exec "$@"'
+# Before that, for a job whose run directory is the node's own but for its checkpoints (shared
+# storage, as DCP expects): the shared checkpoints folder into the node's copy, which then
+# covers the run directory (--rbind: with that mount inside it).
+_OWN_RUN_DIR = (
+    'mount --bind "$1/checkpoints" "$2/checkpoints" && mount --rbind "$2" "$1" '
+    '&& shift 2 && exec "$@"'
+)
+# Set (to 1) in a supervisor's environment: its cluster job's launchers run that way.
+OWN_RUN_DIR_ENV = "WANKA_NODE_OWN_RUN_DIR"
 
 
 def node_path(node: Node, path: str | Path) -> Path | None:
@@ -66,12 +75,25 @@ def node_env(node: Node, base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def exec_argv(node: Node, cmd: list[str]) -> list[str]:
+def exec_argv(node: Node, cmd: list[str], own_run_dir: str | Path | None = None) -> list[str]:
+    """`own_run_dir`: that run directory is the node's own (NODE_ROOT/run/...) inside, except
+    its checkpoints folder: nothing else written there is seen by another node or the host."""
     if not node.root:
         return ["ip", "netns", "exec", node.netns, *cmd]
     make_private(node)  # cheap; a node whose memory folders were removed still starts
-    return ["ip", "netns", "exec", node.netns, "sh", "-c", _PRIVATE, "wanka-node", node.root,
-            NODE_LOCAL, *cmd]  # fmt: skip
+    cmd = ["sh", "-c", _PRIVATE, "wanka-node", node.root, NODE_LOCAL, *cmd]
+    if own_run_dir is not None:  # first: the node's copy lives on the host's /dev/shm
+        run = Path(own_run_dir).resolve()
+        mine = node_run_dir(node, run)
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (mine / "checkpoints").mkdir(parents=True, exist_ok=True)
+        cmd = ["sh", "-c", _OWN_RUN_DIR, "wanka-run-dir", str(run), str(mine), *cmd]
+    return ["ip", "netns", "exec", node.netns, *cmd]
+
+
+def node_run_dir(node: Node, run_dir: str | Path) -> Path:
+    """Where the host sees a node's own copy of `run_dir` (exec_argv's own_run_dir)."""
+    return Path(node.root) / "run" / str(Path(run_dir).resolve()).lstrip("/")
 
 
 def make_private(node: Node) -> None:
@@ -95,9 +117,10 @@ def wipe(node: Node) -> None:
 def popen(node: Node, cmd: list[str], **kw) -> subprocess.Popen:
     """Start `cmd` inside the node (same filesystem, its own network)."""
     env = node_env(node, kw.pop("env", None))
+    own_run_dir = kw.pop("own_run_dir", None)
     if node.netns not in nx.netns_list():
         raise ValueError(f"node {node.name} is down (no namespace); `wanka cluster start-node` it")
-    return subprocess.Popen(exec_argv(node, cmd), env=env, **kw)
+    return subprocess.Popen(exec_argv(node, cmd, own_run_dir), env=env, **kw)
 
 
 def run(st: ClusterState, node: str, cmd: list[str], **kw) -> int:

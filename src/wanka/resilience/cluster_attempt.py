@@ -50,8 +50,10 @@ def start_launcher(
         log_dir.mkdir(parents=True, exist_ok=True)
         # Appended: a dismissed launcher of the same attempt and node may still be exiting.
         out = open(log_dir / f"{node.name}-attempt{attempt}.log", "a")  # noqa: SIM115
+    own = getattr(launcher, "own_run_dir", None)  # the testbed without a shared run dir
     return nd.popen(node, argv, env=env, stdin=subprocess.PIPE, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                    own_run_dir=own() if own else None)  # fmt: skip
 
 
 class Reapers:

@@ -306,6 +306,14 @@ class StoreControl:
                 "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S),
                 "--timeout-s", str(AGENT_TIMEOUT_S / 2), "--", *argv]  # fmt: skip
 
+    def own_run_dir(self) -> Path | None:
+        """With WANKA_NODE_OWN_RUN_DIR=1 (a test of the claim that only checkpoints cross the
+        shared filesystem) each node's launcher sees its own run directory but for its
+        checkpoints folder (cluster/nodes.py)."""
+        from wanka.cluster.nodes import OWN_RUN_DIR_ENV
+
+        return self.sup.run_dir if os.environ.get(OWN_RUN_DIR_ENV) == "1" else None
+
     def orders(self, orders: dict) -> dict:
         """A launcher's orders with the address of the store serving this attempt."""
         s = self.server
