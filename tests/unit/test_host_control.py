@@ -51,6 +51,17 @@ def test_address_role_and_one_line_errors(monkeypatch):
         hc.control_address({"rdzv_endpoint": "h:1"})
     with pytest.raises(ValueError, match="needs --rdzv-endpoint HOST:PORT"):
         hc.control_address({"rdzv_endpoint": None})
+    # An etcd rendezvous names the etcd server: the control store's host must be given.
+    etcd = {"rdzv_backend": "etcd-v2", "rdzv_endpoint": "etcd.svc:2379"}
+    monkeypatch.delenv(hc.CONTROL_PORT_ENV)
+    with pytest.raises(ValueError, match="set WANKA_CONTROL_ENDPOINT=HOST:PORT"):
+        hc.control_address(etcd)
+    monkeypatch.setenv(hc.CONTROL_ENDPOINT_ENV, "trainer-0:29600")
+    assert hc.control_address(etcd) == ("trainer-0", 29600)
+    monkeypatch.setenv(hc.CONTROL_ENDPOINT_ENV, "trainer-0")
+    with pytest.raises(ValueError, match="needs WANKA_CONTROL_ENDPOINT HOST:PORT"):
+        hc.control_address(etcd)
+    monkeypatch.delenv(hc.CONTROL_ENDPOINT_ENV)
     monkeypatch.setenv("SLURM_NODEID", "3")
     assert not hc.is_coordinator(socket.gethostname())
     monkeypatch.setenv("SLURM_NODEID", "0")

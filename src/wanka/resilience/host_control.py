@@ -42,29 +42,43 @@ AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
 CONTROL_PORT_ENV = "WANKA_CONTROL_PORT"
+CONTROL_ENDPOINT_ENV = "WANKA_CONTROL_ENDPOINT"
 
 
-def is_coordinator(rdzv_host: str) -> bool:
-    """This host coordinates: Slurm's node 0, else the host the rendezvous endpoint names."""
+def is_coordinator(control_host: str) -> bool:
+    """This host coordinates: Slurm's node 0, else the host the control store's address names
+    (torch's own rule for who hosts the c10d rendezvous store)."""
     node_id = os.environ.get("SLURM_NODEID")
     if node_id is not None:
         return node_id.strip() == "0"
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    return _matches_machine_hostname(rdzv_host)
+    return _matches_machine_hostname(control_host)
 
 
 def control_address(rdzv: dict) -> tuple[str, int]:
-    """(host, port) of the control store: the rendezvous host, its port + 1 unless set."""
-    endpoint = str(rdzv.get("rdzv_endpoint") or "")
+    """(host, port) of the control store: WANKA_CONTROL_ENDPOINT if set, else the c10d
+    rendezvous host and its port + 1 (WANKA_CONTROL_PORT to change the port). An etcd
+    rendezvous names the etcd server, not one of the job's hosts: there the address is needed."""
+    given = os.environ.get(CONTROL_ENDPOINT_ENV)
+    backend = str(rdzv.get("rdzv_backend") or "c10d")
+    if given is None and backend.startswith("etcd"):
+        raise ValueError(f"resilience.control = store with --rdzv-backend {backend}: the "
+                         "control store is a TCPStore served by one of the job's hosts, and an "
+                         "etcd endpoint is not one; set WANKA_CONTROL_ENDPOINT=HOST:PORT (that "
+                         "host coordinates), or use the c10d rendezvous")  # fmt: skip
+    flag = CONTROL_ENDPOINT_ENV if given is not None else "--rdzv-endpoint"
+    endpoint = given if given is not None else str(rdzv.get("rdzv_endpoint") or "")
     host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"resilience.control = store across hosts needs --rdzv-endpoint "
-                         f"HOST:PORT (got {endpoint!r})")  # fmt: skip
-    given = os.environ.get(CONTROL_PORT_ENV)
-    if given is not None and not given.isdigit():
-        raise ValueError(f"{CONTROL_PORT_ENV}={given!r}: a port number, e.g. 29501")
-    return host.strip("[]"), int(given) if given else int(port) + 1
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"resilience.control = store across hosts needs {flag} HOST:PORT "
+                         f"(got {endpoint!r})")  # fmt: skip
+    if given is not None:
+        return host.strip("[]"), int(port)
+    own = os.environ.get(CONTROL_PORT_ENV)
+    if own is not None and not (own.isdigit() and 0 < int(own) < 65536):
+        raise ValueError(f"{CONTROL_PORT_ENV}={own!r}: a port number, e.g. 29501")
+    return host.strip("[]"), int(own) if own else int(port) + 1
 
 
 def local_hb_root() -> Path:
