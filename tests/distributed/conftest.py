@@ -1,5 +1,6 @@
 import pytest
 
+from tests.distributed.helpers import small_job
 from wanka.data.corpus import builtin_documents
 from wanka.data.prepare import prepare_documents
 from wanka.data.tokenizer import ByteTokenizer
@@ -16,14 +17,9 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture
 def job_args(dataset, tmp_path):
-    """Overrides for a small, fast job on `dataset`; tests add their own."""
+    """small_job's overrides, the run dir named under this test's tmp_path."""
 
     def make(run_dir: str, *extra: str) -> list[str]:
-        return [
-            f'data.path="{dataset}"', "data.seq_len=96", "data.val_batches=1",
-            "model.index_topk=16", "model.n_layers=3", "model.index_share_every=2",
-            "train.steps=4", "train.warmup_steps=2", "train.eval_every=1000",
-            "run.tensorboard=false", f'run.dir="{tmp_path / run_dir}"', *extra,
-        ]  # fmt: skip
+        return small_job(dataset, tmp_path / run_dir, *extra)
 
     return make

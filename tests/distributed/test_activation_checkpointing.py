@@ -4,7 +4,7 @@ gradients and expert loads as without it, on 1 rank and on 2 ranks (dp 2 x ep 2)
 import pytest
 import torch
 
-from tests.distributed.helpers import losses, spawn, train_job
+from tests.distributed.helpers import losses, spawn, spawn_jobs
 from tests.distributed.parallel_step import run_variants
 
 MODES = {mode: {"ac_mode": mode} for mode in ("off", "full", "selective")}
@@ -32,8 +32,8 @@ def test_checkpointed_jobs_match(job_args, tmp_path):
     """Whole 2-rank jobs (dp 2 x ep 2, 2 micro-batches, expert-bias updates): equal losses."""
     common = ["train.micro_batch_size=1", "train.grad_accum=2", "parallel.ep=2",
               "checkpoint.enable=false"]  # fmt: skip
-    for mode in ("off", "full", "selective"):
-        spawn(2, train_job, job_args(mode, *common, f'train.activation_checkpointing="{mode}"'))
+    modes = ("off", "full", "selective")
+    spawn_jobs(2, *(job_args(m, *common, f'train.activation_checkpointing="{m}"') for m in modes))
     off = losses(tmp_path / "off")
     assert len(off) == 4
     assert losses(tmp_path / "full") == off == losses(tmp_path / "selective")

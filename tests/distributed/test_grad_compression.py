@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.helpers import spawn
+from tests.distributed.helpers import spawn, spawn_in_turn
 from wanka.distributed.compression import (
     Bf16Reducer,
     Int8Reducer,
@@ -24,6 +24,7 @@ from wanka.distributed.compression import (
 LAYOUT = [torch.Size([48, 40]), torch.Size([40]), torch.Size([3, 16, 8])]
 NUMEL = sum(s.numel() for s in LAYOUT)
 STEPS = 12
+EF_METHODS = ["int8", "int8_flat", "powersgd"]
 
 
 def _grad(rank: int, step: int) -> torch.Tensor:
@@ -84,10 +85,14 @@ def _run(out: str, method: str) -> None:
 
 # 4 ranks in CI; 2 (the same code with fewer peers) in `make test-slow` (CI time budget).
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
-@pytest.mark.parametrize("method", ["int8", "int8_flat", "powersgd"])
-def test_error_feedback_conserves_the_gradient_sum(tmp_path, method, world):
-    spawn(world, _run, str(tmp_path), method)
-    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+@pytest.mark.parametrize("method", EF_METHODS)
+def test_error_feedback_conserves_the_gradient_sum(request, tmp_path, method, world):
+    if world == 4:  # the three methods ran in turn, in one spawn
+        out = request.getfixturevalue("four_ranks") / method
+    else:
+        out = tmp_path
+        spawn(world, _run, str(out), method)
+    res = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     for r in range(1, world):  # every rank received the same bits, every step
         for a, b in zip(res[0]["outs"], res[r]["outs"]):
             assert torch.equal(a, b)
@@ -124,29 +129,50 @@ def _rollback(out: str, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["int8", "powersgd"])
-def test_rolled_back_step_leaves_no_residual(tmp_path, method):
-    spawn(2, _rollback, str(tmp_path), method)
-    res = torch.load(tmp_path / "rank0.pt")
+def test_rolled_back_step_leaves_no_residual(two_ranks, method):
+    res = torch.load(two_ranks / f"rollback-{method}" / "rank0.pt")
     for a, b in zip(res["kept"], res["retried"], strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(res["kept"][0], res["kept"][1])
 
 
-def test_powersgd_starts_after_exact_steps(tmp_path):
-    spawn(2, _run, str(tmp_path), "powersgd_start")
-    r0 = torch.load(tmp_path / "rank0.pt")
+def test_powersgd_starts_after_exact_steps(two_ranks):
+    r0 = torch.load(two_ranks / "run-powersgd_start" / "rank0.pt")
     for t in range(3):  # exact (fp32 all-reduce) while it has not started
         assert torch.equal(r0["outs"][t], r0["totals"][t])
     assert not torch.allclose(r0["outs"][3], r0["totals"][3], rtol=1e-3)
     assert torch.allclose(r0["sent"] + r0["held"], r0["true"], rtol=1e-5, atol=1e-4)
 
 
-def test_bf16_reduce_is_close_and_identical(tmp_path):
-    spawn(2, _run, str(tmp_path), "bf16")
-    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+def test_bf16_reduce_is_close_and_identical(two_ranks):
+    a, b = (torch.load(two_ranks / "run-bf16" / f"rank{r}.pt") for r in range(2))
     assert all(torch.equal(x, y) for x, y in zip(a["outs"], b["outs"]))
     rel = (a["sent"] - a["true"]).norm() / a["true"].norm()
     assert 0 < rel < 1e-2
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> Path:
+    """_run of every error-feedback method on 4 ranks, in turn in one spawn: DIR/METHOD/."""
+    out = tmp_path_factory.mktemp("four_ranks")
+    for method in EF_METHODS:
+        (out / method).mkdir()
+    spawn_in_turn(4, *((_run, str(out / m), m) for m in EF_METHODS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The 2-rank cases below, in turn in one spawn, each in its own folder: DIR/CASE/."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    calls = {"rollback-int8": (_rollback, "int8"), "rollback-powersgd": (_rollback, "powersgd"),
+             "run-powersgd_start": (_run, "powersgd_start"), "run-bf16": (_run, "bf16"),
+             "gather": (_gather,), "restart-int8": (_restart, "int8"),
+             "restart-powersgd": (_restart, "powersgd")}  # fmt: skip
+    for case in calls:
+        (out / case).mkdir()
+    spawn_in_turn(2, *((fn, str(out / case), *args) for case, (fn, *args) in calls.items()))
+    return out
 
 
 def test_int8_quantisation_roundtrip():
@@ -178,9 +204,8 @@ def _gather(out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_int8_param_gather(tmp_path):
-    spawn(2, _gather, str(tmp_path))
-    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+def test_int8_param_gather(two_ranks):
+    a, b = (torch.load(two_ranks / "gather" / f"rank{r}.pt") for r in range(2))
     assert torch.equal(a["got"], b["got"]), "ranks must compute with the same weights"
     err = (a["got"] - a["exact"]).abs().view(2, NUMEL)
     # Per-parameter blocks: the norm weight (~1.0) does not coarsen its neighbours' scale.
@@ -223,9 +248,8 @@ def _restart(out: str, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["int8", "powersgd"])
-def test_saved_error_feedback_resumes_bitwise(tmp_path, method):
-    spawn(2, _restart, str(tmp_path), method)
-    res = torch.load(tmp_path / "rank0.pt")
+def test_saved_error_feedback_resumes_bitwise(two_ranks, method):
+    res = torch.load(two_ranks / f"restart-{method}" / "rank0.pt")
     for a, b in zip(res["whole"][3:], res["resumed"], strict=True):
         assert torch.equal(a, b)
     # Control: restarting the residuals at zero (what resumes did before) is not the same.

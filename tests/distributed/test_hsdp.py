@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.helpers import losses, spawn, train_job
+from tests.distributed.helpers import losses, spawn, spawn_in_turn, train_job
 from tests.distributed.parallel_step import build, step
 from wanka.distributed.parallel_dims import ParallelDims
 
@@ -46,10 +46,19 @@ def _grads_per_variant(out: str, ep: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def both_ep(tmp_path_factory):
+    """_grads_per_variant for ep = 1 and ep = 2, in turn in one spawn: DIR/epN/rankR.pt."""
+    out = tmp_path_factory.mktemp("hsdp")
+    for ep in (1, 2):
+        (out / f"ep{ep}").mkdir()
+    spawn_in_turn(4, *((_grads_per_variant, str(out / f"ep{ep}"), ep) for ep in (1, 2)))
+    return out
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["ep1", "ep2"])
-def results(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"hsdp-ep{request.param}")
-    spawn(4, _grads_per_variant, str(out), request.param)
+def results(request, both_ep):
+    out = both_ep / f"ep{request.param}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 

@@ -4,7 +4,7 @@ run that had the longer step count from the start."""
 import json
 from pathlib import Path
 
-from tests.distributed.helpers import losses, spawn, train_job
+from tests.distributed.helpers import losses, spawn, spawn_jobs, train_job
 
 
 def _rates(run_dir: Path) -> dict[int, float]:
@@ -16,9 +16,9 @@ def test_extending_steps_under_a_fixed_horizon_resumes_exactly(job_args, tmp_pat
     # WSD over 12 steps: 2 of warm-up, stable, the last 3 decaying (steps 10..12).
     schedule = ("train.lr_schedule=wsd", "train.lr_horizon=12", "train.decay_fraction=0.25",
                 "train.warmup_steps=2", "checkpoint.every=6", "train.micro_batch_size=2")  # fmt: skip
-    spawn(1, train_job, job_args("extended", *schedule, "train.steps=6"))
+    spawn_jobs(1, job_args("extended", *schedule, "train.steps=6"),
+               job_args("whole", *schedule, "train.steps=12"))  # fmt: skip
     spawn(1, train_job, job_args("extended", *schedule, "train.steps=12"))  # resumes from 6
-    spawn(1, train_job, job_args("whole", *schedule, "train.steps=12"))
     extended, whole = tmp_path / "extended", tmp_path / "whole"
     assert json.loads((extended / "summary.json").read_text())["resumed_from_step"] == 6
     after = range(7, 13)

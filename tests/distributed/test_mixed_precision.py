@@ -4,7 +4,7 @@ reduced in fp32 or bf16 (gloo reduces bf16 too); results close to fp32."""
 import pytest
 import torch
 
-from tests.distributed.helpers import losses, spawn, train_job
+from tests.distributed.helpers import losses, spawn, spawn_jobs
 from tests.distributed.parallel_step import run_variants
 
 BF16 = torch.bfloat16
@@ -54,8 +54,8 @@ def test_bf16_training_tracks_fp32(job_args, tmp_path, world):
     """Whole jobs: per-step losses of train.mixed_precision=bf16 stay close to fp32's and fall."""
     common = [f"train.micro_batch_size={4 // world}", f"parallel.ep={world}", "train.steps=6",
               "checkpoint.enable=false"]  # fmt: skip
-    spawn(world, train_job, job_args("fp32", *common, 'train.mixed_precision="fp32"'))
-    spawn(world, train_job, job_args("bf16", *common, 'train.mixed_precision="bf16"'))
+    spawn_jobs(world, job_args("fp32", *common, 'train.mixed_precision="fp32"'),
+               job_args("bf16", *common, 'train.mixed_precision="bf16"'))  # fmt: skip
     fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
     assert fp32.keys() == bf16.keys() == set(range(1, 7))
     dev = max(abs(bf16[s] - fp32[s]) / fp32[s] for s in fp32)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.helpers import losses, spawn, train_job
+from tests.distributed.helpers import losses, small_job, spawn, train_job
 
 
 def _close(a: dict, b: dict, rtol=2e-4):
@@ -15,30 +15,38 @@ def _close(a: dict, b: dict, rtol=2e-4):
         assert a[k] == pytest.approx(b[k], rel=rtol), f"step {k}: {a[k]} vs {b[k]}"
 
 
-def test_fsdp_data_parallel_matches_single_process(job_args, tmp_path):
-    spawn(1, train_job, job_args("one", "train.micro_batch_size=4", "checkpoint.enable=false"))
+@pytest.fixture(scope="module")
+def one_rank(dataset, tmp_path_factory) -> dict[int, float]:
+    """Per-step losses of the single-process reference (global batch 4 in one micro-batch, 4
+    steps) that the data-parallel, expert-parallel and accumulation runs below are compared
+    with: the same job for all three, so it runs once."""
+    run = tmp_path_factory.mktemp("one_rank") / "one"
+    spawn(1, train_job, small_job(dataset, run, "train.micro_batch_size=4",
+                                  "checkpoint.enable=false"))  # fmt: skip
+    return losses(run)
+
+
+def test_fsdp_data_parallel_matches_single_process(job_args, tmp_path, one_rank):
     spawn(2, train_job, job_args("two", "train.micro_batch_size=2", "checkpoint.enable=false"))
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    one, two = one_rank, losses(tmp_path / "two")
     assert len(one) == 4
     _close(one, two)
     assert one[4] < one[1], "loss should fall"
 
 
-def test_expert_parallel_matches_non_parallel(job_args, tmp_path):
-    spawn(1, train_job, job_args("local", "train.micro_batch_size=4", "checkpoint.enable=false"))
+def test_expert_parallel_matches_non_parallel(job_args, tmp_path, one_rank):
     spawn(
         2,
         train_job,
         job_args("ep", "train.micro_batch_size=2", "parallel.ep=2", "checkpoint.enable=false"),
     )
-    _close(losses(tmp_path / "local"), losses(tmp_path / "ep"))
+    _close(one_rank, losses(tmp_path / "ep"))
 
 
-def test_grad_accumulation_matches_bigger_batch(job_args, tmp_path):
-    spawn(1, train_job, job_args("big", "train.micro_batch_size=4", "checkpoint.enable=false"))
+def test_grad_accumulation_matches_bigger_batch(job_args, tmp_path, one_rank):
     spawn(1, train_job, job_args("acc", "train.micro_batch_size=2", "train.grad_accum=2",
                                  "checkpoint.enable=false"))  # fmt: skip
-    _close(losses(tmp_path / "big"), losses(tmp_path / "acc"))
+    _close(one_rank, losses(tmp_path / "acc"))
 
 
 def test_save_on_two_ranks_load_on_one(job_args, tmp_path):

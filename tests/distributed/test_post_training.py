@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.helpers import spawn, train_job
+from tests.distributed.helpers import spawn, spawn_in_turn, spawn_jobs
 
 TINY = ["data.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "parallel.ep=1",
         "train.eval_every=1000", "data.val_batches=1", "run.tensorboard=false",
@@ -22,9 +22,9 @@ def runs(tmp_path_factory, dataset) -> Path:
     """A base (student) and a teacher (trained longer, from another seed)."""
     tmp = tmp_path_factory.mktemp("post")
     tiny = [*TINY, f'data.path="{dataset}"']
-    spawn(1, train_job, [*tiny, "train.steps=4", "checkpoint.every=4", f"run.dir={tmp / 'base'}"])
-    spawn(1, train_job, [*tiny, "train.steps=8", "checkpoint.every=8", "train.seed=3",
-                         f"run.dir={tmp / 'teacher'}"])  # fmt: skip
+    spawn_jobs(1, [*tiny, "train.steps=4", "checkpoint.every=4", f"run.dir={tmp / 'base'}"],
+               [*tiny, "train.steps=8", "checkpoint.every=8", "train.seed=3",
+                f"run.dir={tmp / 'teacher'}"])  # fmt: skip
     return tmp
 
 
@@ -52,11 +52,12 @@ def _distill(runs: Path, name: str, *extra: str) -> list[str]:
 
 def test_two_ranks_distill_exactly_as_one(runs):
     off_policy = "post.on_policy_fraction=0"
-    spawn(2, post_job, "distill", _distill(runs, "dp2", off_policy, "post.prompts_per_step=2"))
-    # Expert parallel too: the student's and the teachers' experts split over 2 ranks, rows of
-    # different lengths on each, teachers run on a dummy row where a rank has none of a domain.
-    spawn(2, post_job, "distill", _distill(runs, "ep2", off_policy, "post.prompts_per_step=2",
-                                           "parallel.ep=2"))  # fmt: skip
+    # Expert parallel too (ep2): the student's and the teachers' experts split over 2 ranks,
+    # rows of different lengths on each, teachers run on a dummy row where a rank has none of a
+    # domain. Both 2-rank jobs in one spawn, one after the other.
+    spawn_in_turn(2, (post_job, "distill", _distill(runs, "dp2", off_policy, "post.prompts_per_step=2")),
+                  (post_job, "distill", _distill(runs, "ep2", off_policy, "post.prompts_per_step=2",
+                                                 "parallel.ep=2")))  # fmt: skip
     spawn(1, post_job, "distill", _distill(runs, "dp1", off_policy, "post.prompts_per_step=4"))
     two, one = _rows(runs / "dp2", "train"), _rows(runs / "dp1", "train")
     ep = _rows(runs / "ep2", "train")
@@ -83,15 +84,16 @@ def test_on_policy_distillation_and_rl_run_on_two_ranks_and_resume(runs):
     run = runs / "onpolicy"
     spawn(2, post_job, "distill", _distill(runs, "onpolicy", "post.prompts_per_step=2",
                                            "checkpoint.every=2"))  # fmt: skip
-    spawn(2, post_job, "distill", _distill(runs, "onpolicy", "post.prompts_per_step=2",
-                                           "train.steps=3"))  # resumes from step 2  # fmt: skip
-    steps = [r["step"] for r in _rows(run, "train")]
-    assert steps == [1, 2, 3] and all(r["on_policy"] == 1.0 for r in _rows(run, "train"))
     rl = ["train.steps=2", "train.lr=1e-3", f"post.init={runs / 'base'}", "run.tensorboard=false",
           "post.completion_tokens=12", "post.prompt_chars=60", "post.eval_prompts=2",
           "post.samples_per_prompt=3", "post.prompts_per_step=1", f"run.dir={runs / 'rl'}",
           "post.updates_per_batch=2", "post.clip_eps=0.01"]  # fmt: skip
-    spawn(2, post_job, "rl", rl)
+    # The resume in a fresh spawn, as a restarted job would run; the RL job after it, in turn.
+    spawn_in_turn(2, (post_job, "distill", _distill(runs, "onpolicy", "post.prompts_per_step=2",
+                                                    "train.steps=3")),  # resumes from step 2
+                  (post_job, "rl", rl))  # fmt: skip
+    steps = [r["step"] for r in _rows(run, "train")]
+    assert steps == [1, 2, 3] and all(r["on_policy"] == 1.0 for r in _rows(run, "train"))
     [first, second] = _rows(runs / "rl", "train")
     assert 0.0 <= first["reward"] <= 1.0 and first["completion_tokens"] > 0
     # The logged values are the second update's: its ratio is against the sampling policy,

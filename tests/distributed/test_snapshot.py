@@ -1,10 +1,12 @@
 """In-memory snapshots on 2 gloo ranks, each its own "node": replicas, node loss, exact restore."""
 
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
 
-from tests.distributed.helpers import spawn
+from tests.distributed.helpers import spawn_in_turn
 
 
 def _snapshot_ranks(root: str, out: str) -> None:
@@ -100,18 +102,27 @@ def _torn_slot_ranks(root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_snapshot_slots_survive_a_torn_copy(tmp_path):
-    out = tmp_path / "ok"
-    spawn(2, _torn_slot_ranks, str(tmp_path / "shm"), str(out))
-    assert out.read_text() == "ok"
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The three 2-rank cases of this file in turn, in one spawn (the checks inside the ranks
+    fail that spawn), each with its own folder: DIR/CASE/shm and DIR/CASE/ok."""
+    out = tmp_path_factory.mktemp("snapshot_ranks")
+    cases = {"torn": _torn_slot_ranks, "replica": _snapshot_ranks, "moved": _moved_ranks}
+    for case in cases:
+        (out / case).mkdir()
+    spawn_in_turn(2, *((fn, str(out / case / "shm"), str(out / case / "ok"))
+                       for case, fn in cases.items()))  # fmt: skip
+    return out
 
 
-def test_snapshot_replica_restores_a_lost_node(tmp_path):
-    out = tmp_path / "ok"
-    spawn(2, _snapshot_ranks, str(tmp_path / "shm"), str(out))
-    assert out.read_text() == "ok"
+def test_snapshot_slots_survive_a_torn_copy(two_ranks):
+    assert (two_ranks / "torn" / "ok").read_text() == "ok"
+
+
+def test_snapshot_replica_restores_a_lost_node(two_ranks):
+    assert (two_ranks / "replica" / "ok").read_text() == "ok"
     # Rank 1's own copy was re-created from the replica, for the next fault.
-    rank1 = tmp_path / "shm" / "job" / "n1" / "rank1"
+    rank1 = two_ranks / "replica" / "shm" / "job" / "n1" / "rank1"
     assert len(list(rank1.glob("step-00000002.s?.w2-*.meta"))) == 1
 
 
@@ -149,7 +160,5 @@ def _moved_ranks(root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_ranks_that_moved_to_other_nodes_restore_from_any_copy_there(tmp_path):
-    out = tmp_path / "ok"
-    spawn(2, _moved_ranks, str(tmp_path / "shm"), str(out))
-    assert out.read_text() == "ok"
+def test_ranks_that_moved_to_other_nodes_restore_from_any_copy_there(two_ranks):
+    assert (two_ranks / "moved" / "ok").read_text() == "ok"
