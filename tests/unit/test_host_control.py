@@ -30,6 +30,19 @@ def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "7
                            timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
 
 
+def stop_serving(head) -> None:
+    """The coordinator's store goes away (as with its host): every reference to it dropped."""
+    import gc
+
+    views = [head.server, head.root, head.view]
+    views += [head.agent.store] if head.agent else []
+    views += [head.coordinator.store] if head.coordinator else []
+    for v in views:
+        if v is not None:
+            v.store = None
+    gc.collect()
+
+
 @pytest.fixture
 def pair(tmp_path, monkeypatch):
     """The coordinator's and a follower's HostControl for one job (2 hosts x 1 rank)."""
@@ -130,16 +143,13 @@ def test_a_follower_that_loses_the_store_while_training_stops_its_ranks(pair, mo
     killed = []
     follower.begin(1)
     follower.agent.kill = lambda _pgid, sig: killed.append(sig)
+    monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
     out, stop = Outcome("success"), threading.Event()
     t = threading.Thread(target=follower.watch, args=(None, 1, out, stop))
     t.start()
     time.sleep(0.3)
     assert t.is_alive() and out.cause == "success"  # the store answers: nothing to do
-    head.server.store = None
-    del head
-    import gc
-
-    gc.collect()
+    stop_serving(head)
     t.join(timeout=30)
     assert not t.is_alive() and killed
     assert (out.cause, out.rank, out.node) == ("node_lost", None, "127.0.0.1")
@@ -151,11 +161,7 @@ def test_a_follower_whose_coordinator_is_gone_ends_the_job(pair, monkeypatch):
     head, follower = pair
     monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)
     follower.begin(1)
-    head.server.store = None  # drop the server: the follower's client now fails
-    del head
-    import gc
-
-    gc.collect()
+    stop_serving(head)  # the follower's client now fails
     t0 = time.monotonic()
     nxt = follower.wait_next(1)
     assert nxt["action"] == "end" and nxt["rc"] == 1
@@ -192,3 +198,107 @@ def test_chaos_marks_travel_through_the_store_not_the_run_directory(tmp_path):
     assert driver.injected_inside("slow", 1)
     agent.poll_once()  # published once
     assert agent._marks_sent == {fid}
+
+
+def test_a_verdict_alone_stops_the_followers_ranks(pair, monkeypatch):
+    """Whatever order the follower reads the stop and the verdict in, a verdict ends its
+    attempt: it kills its ranks itself (a race found in review: the decision read just before
+    it was written, the verdict just after, and nothing stopped the ranks)."""
+    head, follower = pair
+    for c in (head, follower):
+        c.begin(1)
+    killed = []
+    monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
+    out = Outcome("process_crash", rank=0, detail="d", t_fault=1.0, t_detect=2.0, node="n0")
+    head.view.put("verdict", hc._verdict(out))  # no decision written at all
+    seen = Outcome("success")
+    follower.watch(None, 1, seen, threading.Event())
+    assert killed and seen.cause == "process_crash"
+
+
+def test_a_frozen_coordinator_is_noticed_within_the_limit(tmp_path, monkeypatch):
+    """A SIGSTOPped store host: store calls block far past their own time-out (they wait for
+    TCP). The follower still fences within the limit, and waits for no answer afterwards."""
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.5)
+    monkeypatch.setattr(hc, "local_hb_root", lambda: tmp_path / "shm")
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-c", f"""
+import time, datetime, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", {port}, None, True, datetime.timedelta(seconds=30),
+                  wait_for_workers=False)
+print("up", flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert server.stdout.readline().strip() == "up"
+        monkeypatch.setenv("SLURM_NODEID", "1")
+        follower = hc.HostControl(fake_sup(tmp_path, "n1", port))
+        follower.begin(1)
+        killed = []
+        follower.agent.kill = lambda _pgid, sig: killed.append(sig)
+        monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
+        server.send_signal(signal.SIGSTOP)
+        out = Outcome("success")
+        t0 = time.monotonic()
+        follower.watch(None, 1, out, threading.Event())
+        took = time.monotonic() - t0
+        assert out.cause == "node_lost" and killed and took < 1.5 + 2.0, (out, took)
+        t0 = time.monotonic()
+        assert follower.wait_next(1)["rc"] == 1 and time.monotonic() - t0 < 0.5
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_host_restarted_mid_job_joins_the_next_attempt(pair):
+    """A follower (re)started while attempt 3 trains without it (its pod replaced): it must not
+    join attempt 1's rendezvous nor act on old stops; it waits for attempt 3's end."""
+    head, follower = pair
+    head.begin(3)
+    head.root.put("current", {"attempt": 3, "formed": True})
+    got = {}
+    t = threading.Thread(target=lambda: got.update(zip(("first", "ended"), follower.join())))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # waiting for attempt 3's end
+    head.announce(3, "restart", message="rank 1 on node n1: process_crash (...)")
+    t.join(timeout=5)
+    assert got == {"first": 4, "ended": None}
+    # An attempt still forming is joined as it is.
+    head.root.put("current", {"attempt": 4, "formed": False})
+    assert follower.join() == (4, None)
+
+
+def test_a_follower_waits_for_the_first_attempt_or_the_jobs_end(pair):
+    """The coordinator's pre-flight failed before any attempt: the follower ends with it, it
+    does not start an attempt nobody hosts."""
+    head, follower = pair
+    got = {}
+    t = threading.Thread(target=lambda: got.update(zip(("first", "ended"), follower.join())))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()
+    head.announce(1, "end", 2, "pre-flight failed")
+    t.join(timeout=5)
+    assert got["first"] == 0 and got["ended"]["rc"] == 2
+
+
+def test_a_stop_kills_only_the_attempts_own_children(pair):
+    import subprocess
+    import sys
+
+    head, _ = pair
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        head.begin(1)
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        head._kill_local(0, 9)
+        assert rank.wait(timeout=5) == -9
+        assert before.poll() is None  # there before the attempt: not one of its ranks
+    finally:
+        before.kill()
+        before.wait()

@@ -26,8 +26,10 @@ once an attempt's agents shut down, and a closed one cannot be joined again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -104,14 +106,50 @@ class HostControl:
         self.agent: NodeAgent | None = None
         self.coordinator: Coordinator | None = None
         self.hb_root = local_hb_root() / _safe(self.rdzv_id) / _safe(sup.node)
+        self.orphaned = False  # the store stopped answering: nobody is left to decide
+        self._last_ok = time.monotonic()  # the last store call that answered
+        self._before: set[int] = set()  # children of ours from before the attempt's ranks
         try:
             if self.coordinating:
                 self.server = ControlStore.serve("0.0.0.0", self.port, self.rdzv_id)
             else:
                 self.server = ControlStore.connect(self.host, self.port, self.rdzv_id, CONNECT_S)
         except ConnectionError as e:
-            raise ValueError(f"resilience.control = store: {e}") from None
-        self.orphaned = False
+            raise ValueError(f"resilience.control = store: {e} (the port: {CONTROL_PORT_ENV} "
+                             f"or {CONTROL_ENDPOINT_ENV})") from None  # fmt: skip
+        self.root = ControlStore(self.server.store, self.host, self.port, self.rdzv_id)
+
+    def _attempt_view(self, attempt: int) -> ControlStore:
+        return ControlStore(self.server.store, self.host, self.port, f"{self.rdzv_id}/a{attempt}")
+
+    # -- joining ------------------------------------------------------------------------------
+    def join(self) -> tuple[int, dict | None]:
+        """A follower before its first attempt: (the attempt to start, None), or, if the job
+        ended meanwhile, (0, the coordinator's word). It waits for the coordinator to begin an
+        attempt (its pre-flight may fail: then the job's end comes instead). A host that
+        (re)starts while an attempt already formed without it (a pod replaced in place) cannot
+        join that one: it waits for the next, rather than act on that attempt's stop."""
+        first = self._attempt_view(1)
+        while True:
+            try:
+                cur, nxt = self._answered(lambda: (self.root.get("current"), first.get("next")))
+            except ConnectionError as e:
+                if time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
+                    self.orphaned = True
+                    return 0, {"action": "end", "rc": 1, "own": True, "message": str(e)}
+                continue
+            if cur is not None:
+                break
+            if nxt is not None:
+                return 0, nxt
+            time.sleep(AGENT_POLL_S)
+        at = int(cur["attempt"])
+        if not cur.get("formed"):
+            return at, None
+        log.warning("attempt %d of the job is under way without this host: joining the next",
+                    at)  # fmt: skip
+        nxt = self.wait_next(at)
+        return (at + 1, None) if nxt["action"] == "restart" else (0, nxt)
 
     # -- per attempt ----------------------------------------------------------------------------
     def hb_dir(self, attempt: int) -> Path:
@@ -122,52 +160,83 @@ class HostControl:
         return {**self.sup.rdzv, "rdzv_id": f"{self.rdzv_id}.a{attempt}"}
 
     def begin(self, attempt: int, _nodes=(), _spares=()) -> None:
+        """Before `attempt` starts here. A store that does not answer leaves `orphaned` set
+        (the supervisor then runs nothing and ends the job)."""
         import shutil
 
         shutil.rmtree(self.hb_root, ignore_errors=True)  # earlier attempts' records
         self.hb_dir(attempt).mkdir(parents=True, exist_ok=True)
-        s = self.server
-        self.attempt = attempt
-        self.view = ControlStore(s.store, s.host, s.port, f"{self.rdzv_id}/a{attempt}")
-        self.agent = NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
-                               pgid=0, kill=self._kill_local, attempt=attempt,
-                               orphan_s=AGENT_TIMEOUT_S)  # fmt: skip
-        if self.coordinating:
-            self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
-                                           AGENT_TIMEOUT_S, attempt=attempt,
-                                           home=self.sup.node)  # fmt: skip
+        self.attempt, self.view = attempt, self._attempt_view(attempt)
+        self._before = set(_children())
+        try:
+            self.agent = self._answered(
+                lambda: NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
+                                  pgid=0, kill=self._kill_local, attempt=attempt,
+                                  orphan_s=AGENT_TIMEOUT_S))  # fmt: skip
+            if self.coordinating:
+                self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
+                                               AGENT_TIMEOUT_S, attempt=attempt,
+                                               home=self.sup.node)  # fmt: skip
+                self.root.put("current", {"attempt": attempt, "formed": False})
+        except ConnectionError as e:
+            log.error("control store: %s", e)
+            self.orphaned = True
 
     def _kill_local(self, _pgid: int, sig: int) -> None:
-        """A stop: this host's ranks, the children of this process (the elastic agent forks
-        or spawns them; one still starting has no heartbeat record to name it)."""
-        me = os.getpid()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        """A stop: this host's ranks, the children of this process the elastic agent started
+        for the attempt (forked or spawned; one still starting has no heartbeat record to name
+        it): not those from before it, nor multiprocessing's resource tracker."""
+        for pid, cmdline in _children().items():
+            if pid in self._before or b"resource_tracker" in cmdline:
+                continue
             try:
-                text = stat.read_text()
-                if int(text[text.rindex(")") + 2 :].split()[1]) == me:
-                    os.kill(int(stat.parent.name), sig)
-            except (OSError, ValueError):
+                os.kill(pid, sig)
+            except OSError:
                 pass
+
+    def _answered(self, fn):
+        """fn() (store calls) on a thread of its own, at most until AGENT_TIMEOUT_S after the
+        last answer: a call into a frozen or vanished host blocks far longer than the store's
+        time-out (until TCP gives up, or for ever). ConnectionError when it takes longer."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+                self._last_ok = time.monotonic()
+            except Exception as e:  # noqa: BLE001  (raised below, in the caller's thread)
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="wanka-control-call", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(AGENT_POLL_S)
+            if t.is_alive() and time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
+                raise ConnectionError(f"the control store at {self.host}:{self.port} has not "
+                                      f"answered for {AGENT_TIMEOUT_S:.0f} s")  # fmt: skip
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     # -- watching ---------------------------------------------------------------------------
     def watch(self, _hb_dir: Path, attempt: int, out, stop: threading.Event) -> None:
         """The supervisor's monitor thread: publish this host's ranks; the coordinator also
         names faults and decides; a follower carries out the decisions."""
-        last_ok = time.monotonic()
         failing = False
-        while True:
+        self._last_ok = time.monotonic()
+        while not self.orphaned:
             last = stop.wait(AGENT_POLL_S)
             now = time.time()
             try:
-                self.agent.poll_once()  # publishes; a stop decision kills our ranks
-                failing, last_ok = False, time.monotonic()
-                if self._look(attempt, out, now, final=last):
+                # publishes; a stop decision kills our ranks
+                if self._answered(functools.partial(self._poll, attempt, out, now, last)):
                     return
+                failing = False
             except ConnectionError as e:
                 if not failing:
                     log.error("control store: %s", e)
                 failing = True
-                if not self.coordinating and time.monotonic() - last_ok > AGENT_TIMEOUT_S:
+                if not self.coordinating and time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
                     self._orphaned(out, now)
                     return
             except Exception as e:  # the monitor must outlive any one bad poll
@@ -175,7 +244,8 @@ class HostControl:
             if last:
                 return
 
-    def _look(self, attempt: int, out, now: float, final: bool) -> bool:
+    def _poll(self, attempt: int, out, now: float, final: bool) -> bool:
+        self.agent.poll_once()
         reports = self.view.read_ranks(self.world)
         steps = [rep.beat.step for rep in reports.values() if rep.beat.attempt == attempt]
         out.max_step = max([out.max_step, *steps])
@@ -185,8 +255,14 @@ class HostControl:
             verdict = self.view.get("verdict")
             if verdict is None:
                 return False
+            # The stop was written before the verdict: carry it out now, whatever the last
+            # poll read; and the attempt is over here in any case.
+            self.agent.poll_once()
+            self._kill_local(0, signal.SIGKILL)
             _fill(out, verdict)
             return True
+        if len(self.view.nodes()) >= self.sup.nnodes and steps:
+            self.root.put("current", {"attempt": attempt, "formed": True})
         fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False
@@ -197,18 +273,24 @@ class HostControl:
             fault.detail,
         )
         out.t_fault, out.t_detect, out.limit_s = fault.t_fault or now, now, fault.limit_s
-        self.view.put("verdict", _verdict(out))
-        self.coordinator.decide_stop(attempt, fault.describe())  # every agent kills its ranks
+        self._stop_all(attempt, out, fault.describe())
         self.agent.poll_once()  # ours at once
         return True
 
+    def _stop_all(self, attempt: int, out, reason: str) -> None:
+        """The decision first, then the verdict: a follower that sees the verdict finds the
+        decision too."""
+        self.coordinator.decide_stop(attempt, reason)
+        self.view.put("verdict", _verdict(out, self.sup.node))
+
     def _orphaned(self, out, now: float) -> None:
+        self.orphaned = True
         self.agent._fence()
+        self._kill_local(0, signal.SIGKILL)
         out.cause, out.rank, out.node = "node_lost", None, self.host
         out.detail = (f"the control store at {self.host}:{self.port} was unreachable for "
                       f"{AGENT_TIMEOUT_S:.0f} s: the coordinator's host is gone or cut off")  # fmt: skip
         out.t_detect = now
-        self.orphaned = True
 
     def conclude(self, attempt: int, out) -> None:
         """After `attempt` ended here. The coordinator makes sure the others stop too when it
@@ -218,29 +300,33 @@ class HostControl:
             return
         try:
             if self.view.get("verdict") is None:
-                self.view.put("verdict", _verdict(out, self.sup.node))
-                self.coordinator.decide_stop(attempt, f"{out.cause}: {out.detail}")
+                self._stop_all(attempt, out, f"{out.cause}: {out.detail}")
         except ConnectionError as e:
             log.error("control store: %s", e)
 
     def exit_marks(self) -> dict[int, tuple[int, str]] | None:
         """Rank -> (exit code, message) of the ranks that exited on purpose (all hosts')."""
+        if self.orphaned or self.agent is None:
+            return None
         try:
-            self.agent.poll_once()  # our ranks' last marks, before anyone reads them
-            return {r: (e.code, e.message) for r, e in self.view.read_exits(self.world).items()}
+            return self._answered(lambda: self._read_exits())
         except (ConnectionError, RuntimeError) as e:
             log.error("control store: %s", e)
             return None
 
+    def _read_exits(self) -> dict[int, tuple[int, str]]:
+        self.agent.poll_once()  # our ranks' last marks, before anyone reads them
+        return {r: (e.code, e.message) for r, e in self.view.read_exits(self.world).items()}
+
     # -- between attempts -------------------------------------------------------------------
     def announce(self, attempt: int, action: str, rc: int = 0, message: str = "") -> None:
-        """The coordinator's word on what follows `attempt`: "restart" or "end" (with rc)."""
-        if not self.coordinating or self.view is None:
+        """The coordinator's word on what follows `attempt`: "restart" or "end" (with rc);
+        `message`: the fault it restarts after, or why the job ends."""
+        if not self.coordinating:
             return
         value = {"action": action, "rc": rc, "message": message, "t": time.time()}
         try:
-            ControlStore(self.server.store, self.host, self.port,
-                         f"{self.rdzv_id}/a{attempt}").put("next", value)  # fmt: skip
+            self._attempt_view(attempt).put("next", value)
         except ConnectionError as e:
             log.error("control store: %s", e)
 
@@ -252,24 +338,26 @@ class HostControl:
                 f"{self.port} was unreachable for {AGENT_TIMEOUT_S:.0f} s: the coordinator's "
                 "host is gone or cut off); this host's ranks are stopped and the job ends here "
                 "(a requeued or resubmitted job resumes from the newest checkpoint)"}  # fmt: skip
-        if self.orphaned:
-            return gone
-        view = ControlStore(self.server.store, self.host, self.port, f"{self.rdzv_id}/a{attempt}")
-        last_ok = time.monotonic()
-        while True:
+        view = self._attempt_view(attempt)
+
+        def look() -> dict | None:
+            # Our agent keeps publishing meanwhile: the coordinator names a death of ours
+            # (process_crash) from it, and would take our silence for a lost host.
+            if attempt == self.attempt and self.agent is not None:
+                self.agent.poll_once()
+            return view.get("next")
+
+        while not self.orphaned:
             try:
-                # Our agent keeps publishing meanwhile: the coordinator names a death of ours
-                # (process_crash) from it, and would take our silence for a lost host.
-                if attempt == self.attempt:
-                    self.agent.poll_once()
-                nxt = view.get("next")
-                last_ok = time.monotonic()
+                nxt = self._answered(look)
                 if nxt is not None:
                     return nxt
             except ConnectionError:
-                if time.monotonic() - last_ok > AGENT_TIMEOUT_S:
-                    return gone
+                if time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
+                    self.orphaned = True
+                    break
             time.sleep(AGENT_POLL_S)
+        return gone
 
     def close(self) -> None:
         import shutil
@@ -279,6 +367,11 @@ class HostControl:
             # Followers read the last "next" after we are done with it: wait for each (a
             # moment), so our store does not go before they have read the job's end.
             self._wait_followers_read()
+        elif not self.orphaned and self.attempt:  # whatever way we end: the store may go
+            try:
+                self._answered(lambda: self.view.put(f"read/{self.sup.node}", {"t": time.time()}))
+            except ConnectionError:
+                pass
 
     def _wait_followers_read(self, timeout_s: float = 10.0) -> None:
         if self.view is None:
@@ -293,13 +386,18 @@ class HostControl:
         except ConnectionError:
             pass
 
-    def said_read(self, attempt: int) -> None:
-        """A follower read the job's end: the coordinator may stop serving."""
+
+def _children() -> dict[int, bytes]:
+    """pid -> command line of every child of this process."""
+    me, out = os.getpid(), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            ControlStore(self.server.store, self.host, self.port,
-                         f"{self.rdzv_id}/a{attempt}").put(f"read/{self.sup.node}", {"t": time.time()})  # fmt: skip
-        except ConnectionError:
+            text = stat.read_text()
+            if int(text[text.rindex(")") + 2 :].split()[1]) == me:
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError):
             pass
+    return out
 
 
 def _verdict(out, node: str | None = None) -> dict:

@@ -277,11 +277,19 @@ class Supervisor:
                       file=sys.stderr, flush=True)  # fmt: skip
         if self.control is not None:
             self.control.begin(attempt, self.nodes, self.spare_nodes() if self.cluster else [])
+            if self._hosts() and self.control.orphaned:  # the store did not answer: no attempt
+                out.cause, out.node, out.t_detect = "node_lost", self.control.host, time.time()
+                out.detail = (
+                    f"the control store at {self.control.host}:{self.control.port} did not answer"
+                )
+                return out
         watch = self.control.watch if self.control is not None else self._watch
         watcher = threading.Thread(target=watch, args=(hb_dir, attempt, out, stop),
                                    name="wanka-monitor", daemon=True)  # fmt: skip
         watcher.start()
+        import torch.distributed as dist
         from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
 
         try:
             if self.cluster is not None:
@@ -294,10 +302,15 @@ class Supervisor:
         except SignalException as e:
             out.cause, out.detail = "preempted", f"signal {e.sigval}"
             self._preempt.set()
+        except (RendezvousError, dist.DistError) as e:  # a peer host missing, late or gone
+            out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
+            out.detail = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            out.t_detect = out.t_detect or time.time()
         finally:
             stop.set()
             watcher.join()
-            self.timeouts.save()
+            if not self.follows:  # learned from every host's ranks by the coordinator only
+                self.timeouts.save()
             self._catch_stop_requests()  # the agent left its own handlers behind
         if out.launcher_killed is not None:
             self._node_lost(out)
@@ -524,6 +537,7 @@ class Supervisor:
 
             if self._warm is not None:  # spare launchers of an attempt that never came
                 self._warm.close()
+            self._announce_end(rc)  # an exception or interrupt ended the loop: say so
             if self.control is not None:
                 self.control.close()
             if rc == 0 and self.cluster is not None:
@@ -554,25 +568,24 @@ class Supervisor:
                 return rc
         attempt, failures, stalled, last_max = 0, 0, 0, -1
         rc = 1
+        if self.follows:  # a host (re)started while the job runs joins its next attempt
+            first, ended = self.control.join()
+            if ended is not None:
+                return self._follower_end(ended)
+            attempt = first - 1
         while not self._preempt.is_set():
             attempt += 1
-            self.timeline.attempt = attempt
+            self.attempt = self.timeline.attempt = attempt
             out = self._attempt(attempt)
             self.outcomes.append(out)
             if self.follows and out.cause != "preempted" and not self._preempt.is_set():
                 nxt = self.control.wait_next(attempt)
                 if nxt["action"] == "restart":
-                    print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}); restart as "
-                          f"the coordinator ({self.control.host}) decided", file=sys.stderr,
+                    print(f"{self.says} {nxt['message'] or out.cause}; restart as the "
+                          f"coordinator ({self.control.host}) decided", file=sys.stderr,
                           flush=True)  # fmt: skip
                     continue
-                rc = int(nxt["rc"])
-                self.control.said_read(attempt)
-                if nxt.get("own"):  # no coordinator left to say anything
-                    print(f"{self.says} {nxt['message']}", file=sys.stderr)
-                elif rc:
-                    print(f"{self.says} the coordinator ({self.control.host}) ended the job "
-                          f"(exit {rc}): {nxt['message']}", file=sys.stderr)  # fmt: skip
+                rc = self._follower_end(nxt)
                 break
             if out.cause == "success":
                 rc = 0
@@ -604,6 +617,12 @@ class Supervisor:
                 break
             evicted = self._record_fault(out, attempt)
             failures += 1
+            if self._hosts() and out.cause == "node_lost" and out.node == self.node:
+                print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}): this host serves "
+                      "the control store, so no restart can reach the others; the job ends here "
+                      "(a requeued or resubmitted job resumes from the newest checkpoint)",
+                      file=sys.stderr)  # fmt: skip
+                break
             # An eviction changes the world the next attempt runs on: earlier attempts that made
             # no progress on the evicted node say nothing about it.
             stalled = 0 if evicted else stalled + 1 if out.max_step <= last_max else 0
@@ -629,21 +648,43 @@ class Supervisor:
             if self.rc.preflight != "off" and self._preflight(live=False):
                 rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
                 break
+            if self._preempt.is_set():  # a stop request during the back-off: resumable
+                print(f"{self.says} stopped on request before restart {failures}; run the same "
+                      "command again to resume", file=sys.stderr)  # fmt: skip
+                rc = EXIT_PREEMPTED
+                break
             if self._hosts():
-                self.control.announce(attempt, "restart")
+                self.control.announce(attempt, "restart", message=f"{self._where(out)}"
+                                      f"{out.cause} ({out.detail})")  # fmt: skip
             self.timeline.event(
                 "restart", out.t_detect or time.time(), time.time(), cause=out.cause
             )
-        if self._hosts() and not self.follows:
-            last = self.outcomes[-1] if self.outcomes else None
-            self.control.announce(attempt, "end", rc,
-                                  f"{last.cause}: {last.detail}" if last else "")  # fmt: skip
+        self._announce_end(rc)
         self.chaos.close()  # a drill's full disk never outlives the job
         self.timeline.event("job", t_job, time.time(), job=self.job, node=self.node, rc=rc)
         # Whenever rank 0 finished (its summary names the picture), even if the job then ended
         # non-zero (stopped or a peer lost at the last barrier).
         if self.draws_loss_curve and _file_id(self.run_dir / "summary.json") != summary_before:
             self._draw_loss_curve()
+        return rc
+
+    def _announce_end(self, rc: int) -> None:
+        """The coordinator tells the others the job ended (once; also after an exception)."""
+        if not self._hosts() or self.follows or getattr(self, "_ended", False):
+            return
+        self._ended = True
+        last = self.outcomes[-1] if self.outcomes else None
+        why = f"{last.cause}: {last.detail}" if last is not None else "before its first attempt"
+        self.control.announce(max(self.attempt, 1), "end", rc, why)
+
+    def _follower_end(self, nxt: dict) -> int:
+        """The job ends on the coordinator's word (or, with no coordinator left, on ours)."""
+        rc = int(nxt["rc"])
+        if nxt.get("own"):
+            print(f"{self.says} {nxt['message']}", file=sys.stderr)
+        elif rc:
+            print(f"{self.says} the coordinator ({self.control.host}) ended the job (exit {rc}): "
+                  f"{nxt['message']}", file=sys.stderr)  # fmt: skip
         return rc
 
     def _where(self, out: Outcome) -> str:
