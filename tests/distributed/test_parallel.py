@@ -2,11 +2,12 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.helpers import losses, small_job, spawn, train_job
+from tests.distributed.helpers import losses, small_job, spawn, spawn_jobs, train_job
 
 
 def _close(a: dict, b: dict, rtol=2e-4):
@@ -15,38 +16,43 @@ def _close(a: dict, b: dict, rtol=2e-4):
         assert a[k] == pytest.approx(b[k], rel=rtol), f"step {k}: {a[k]} vs {b[k]}"
 
 
+NO_CKPT = "checkpoint.enable=false"
+MLA = 'model.attention="mla"'
+# The independent jobs that this file's comparisons read (name: overrides), by world size: run
+# once, in one spawn per world size, each in its own run dir. "one" is the single-process
+# reference (global batch 4 in one micro-batch, 4 steps) of the dp, ep and accumulation tests.
+JOBS = {
+    1: {"one": ["train.micro_batch_size=4", NO_CKPT],
+        "acc": ["train.micro_batch_size=2", "train.grad_accum=2", NO_CKPT],
+        "one3": ["train.micro_batch_size=4", "train.steps=3", NO_CKPT],
+        "mla1": ["train.micro_batch_size=4", MLA, NO_CKPT]},
+    2: {"two": ["train.micro_batch_size=2", NO_CKPT],
+        "ep": ["train.micro_batch_size=2", "parallel.ep=2", NO_CKPT],
+        "mla2": ["train.micro_batch_size=2", "parallel.ep=2", MLA, NO_CKPT]},
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def one_rank(dataset, tmp_path_factory) -> dict[int, float]:
-    """Per-step losses of the single-process reference (global batch 4 in one micro-batch, 4
-    steps) that the data-parallel, expert-parallel and accumulation runs below are compared
-    with: the same job for all three, so it runs once."""
-    run = tmp_path_factory.mktemp("one_rank") / "one"
-    spawn(1, train_job, small_job(dataset, run, "train.micro_batch_size=4",
-                                  "checkpoint.enable=false"))  # fmt: skip
-    return losses(run)
+def runs(dataset, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("parallel")
+    for world, jobs in JOBS.items():
+        spawn_jobs(world, *(small_job(dataset, out / name, *extra) for name, extra in jobs.items()))
+    return out
 
 
-def test_fsdp_data_parallel_matches_single_process(job_args, tmp_path, one_rank):
-    spawn(2, train_job, job_args("two", "train.micro_batch_size=2", "checkpoint.enable=false"))
-    one, two = one_rank, losses(tmp_path / "two")
+def test_fsdp_data_parallel_matches_single_process(runs):
+    one, two = losses(runs / "one"), losses(runs / "two")
     assert len(one) == 4
     _close(one, two)
     assert one[4] < one[1], "loss should fall"
 
 
-def test_expert_parallel_matches_non_parallel(job_args, tmp_path, one_rank):
-    spawn(
-        2,
-        train_job,
-        job_args("ep", "train.micro_batch_size=2", "parallel.ep=2", "checkpoint.enable=false"),
-    )
-    _close(one_rank, losses(tmp_path / "ep"))
+def test_expert_parallel_matches_non_parallel(runs):
+    _close(losses(runs / "one"), losses(runs / "ep"))
 
 
-def test_grad_accumulation_matches_bigger_batch(job_args, tmp_path, one_rank):
-    spawn(1, train_job, job_args("acc", "train.micro_batch_size=2", "train.grad_accum=2",
-                                 "checkpoint.enable=false"))  # fmt: skip
-    _close(one_rank, losses(tmp_path / "acc"))
+def test_grad_accumulation_matches_bigger_batch(runs):
+    _close(losses(runs / "one"), losses(runs / "acc"))
 
 
 def test_save_on_two_ranks_load_on_one(job_args, tmp_path):
@@ -94,22 +100,14 @@ def test_resume_is_exact(job_args, tmp_path, world, async_save):
     assert torch.tensor(list(full.values())).isfinite().all()
 
 
-def test_four_ranks_dp4_ep2_matches_single_process(job_args, tmp_path):
+def test_four_ranks_dp4_ep2_matches_single_process(job_args, tmp_path, runs):
     """dp 4 x ep 2: experts split over ep and FSDP-sharded over dp_mod_ep = 2 (2-D sharding)."""
-    spawn(
-        1,
-        train_job,
-        job_args("one", "train.micro_batch_size=4", "train.steps=3", "checkpoint.enable=false"),
-    )
     spawn(4, train_job, job_args("four", "train.micro_batch_size=1", "train.steps=3", "parallel.ep=2",
                                  "checkpoint.enable=false"))  # fmt: skip
-    _close(losses(tmp_path / "one"), losses(tmp_path / "four"))
+    _close(losses(runs / "one3"), losses(tmp_path / "four"))
 
 
-def test_mla_under_fsdp_and_ep_matches_single_process(job_args, tmp_path):
-    mla = ('model.attention="mla"', "checkpoint.enable=false")
-    spawn(1, train_job, job_args("one", "train.micro_batch_size=4", *mla))
-    spawn(2, train_job, job_args("two", "train.micro_batch_size=2", "parallel.ep=2", *mla))
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+def test_mla_under_fsdp_and_ep_matches_single_process(runs):
+    one, two = losses(runs / "mla1"), losses(runs / "mla2")
     _close(one, two)
     assert one[4] < one[1], "loss should fall"

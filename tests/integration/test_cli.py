@@ -9,10 +9,11 @@ from .helpers import wanka
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """`wanka train` on 2 ranks (dp 2 x ep 2) with the demo config, shortened."""
+    """`wanka train` on 2 ranks (dp 2 x ep 2) with the demo config, shortened to 4 steps (~1.5 s
+    each here): an eval and a checkpoint mid-run (step 2) and at the end (step 4)."""
     run_dir = tmp_path_factory.mktemp("run") / "demo"
-    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=6",
-              "--set", "train.eval_every=3", "--set", "checkpoint.every=3", "--set", "data.val_batches=2",
+    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=4",
+              "--set", "train.eval_every=2", "--set", "checkpoint.every=2", "--set", "data.val_batches=2",
               "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return run_dir, r
@@ -21,16 +22,18 @@ def trained(tmp_path_factory):
 def test_train_end_to_end(trained):
     run_dir, r = trained
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["world_size"] == 2 and summary["steps"] == 4
     assert 0 < summary["val_loss"] < 6 and summary["tokens_per_s"] > 0
-    assert (run_dir / "checkpoints" / "step-00000006" / "COMPLETE").is_file()
+    assert (run_dir / "checkpoints" / "step-00000002" / "COMPLETE").is_file()  # mid-run
+    assert (run_dir / "checkpoints" / "step-00000004" / "COMPLETE").is_file()
     assert (run_dir / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "config.toml").is_file()
     assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "logs" / "rank1.log").is_file()
-    assert "validation loss" in r.stdout and "step 6/6" in r.stdout + r.stderr
+    assert "validation loss" in r.stdout and "step 4/4" in r.stdout + r.stderr
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [x for x in rows if x["kind"] == "train"]
-    assert [x["step"] for x in train] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    assert [x["step"] for x in rows if x["kind"] == "eval"] == [2, 4]  # mid-run and final
     for key in (
         "lm_loss",
         "mtp_loss",
@@ -55,7 +58,7 @@ def test_error_inside_ranks_is_one_line(trained):
     """An error that only the ranks can see (here: resuming a different model) ends as one line
     from rank 0 and exit code 2, not torchrun's failure report."""
     run_dir, _ = trained
-    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=6",
+    r = wanka("train", "configs/demo.toml", "--nproc", "2", "--set", "train.steps=4",
               "--set", "model.index_topk=32", "--set", f'run.dir="{run_dir}"')  # fmt: skip
     assert r.returncode == 2, r.stderr[-3000:]
     assert "model.index_topk: saved 64, now 32" in r.stderr
@@ -65,10 +68,10 @@ def test_error_inside_ranks_is_one_line(trained):
 def test_rerun_resumes_and_finishes(trained):
     """Running the same job again finds the final checkpoint and does no extra steps."""
     run_dir, _ = trained
-    r = wanka("train", "configs/demo.toml", "--set", "train.steps=6", "--set", "parallel.ep=1",
+    r = wanka("train", "configs/demo.toml", "--set", "train.steps=4", "--set", "parallel.ep=1",
               "--set", "data.val_batches=2", "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 6
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 4
 
 
 @pytest.mark.parametrize(
