@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
+import time
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -48,23 +50,34 @@ def small_job(dataset, run_dir, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _in_turn(calls: list[tuple]) -> None:
-    for port, fn, *args in calls:
-        os.environ["MASTER_PORT"] = str(port)
+def _in_turn(sync_dir: str, calls: list[tuple]) -> None:
+    rank = int(os.environ["RANK"])
+    for i, (fn, *args) in enumerate(calls):
+        # Rank 0 picks this call's port just before it starts its store there, and tells the
+        # other ranks through a file; they wait for it, so none meets the store of the call
+        # before (the same port for every call hung: a rank that left a process group early
+        # reached the old store while rank 0 still held it).
+        port_file = Path(sync_dir) / f"port{i}"
+        if rank == 0:
+            tmp = port_file.with_suffix(".tmp")
+            tmp.write_text(str(free_port()))
+            tmp.rename(port_file)
+        deadline = time.monotonic() + 600
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 never started call {i} ({fn.__name__})")
+            time.sleep(0.01)
+        os.environ["MASTER_PORT"] = port_file.read_text()
         fn(*args)
 
 
 def spawn_in_turn(world: int, *calls: tuple) -> None:
     """Run each call, a (fn, *args) tuple, on `world` ranks, one after another in the same ranks:
     one spawn (one torch import per rank) for them all; raises if any rank fails. For whole
-    independent jobs, each of which starts its own process group and destroys it at its end:
-    each gets a port of its own, so a rank that left one job early never meets the store of the
-    job before. A resume belongs in a fresh spawn, as a restarted job would run."""
-    ports: list[int] = []
-    while len(ports) < len(calls):
-        if (port := free_port()) not in ports:
-            ports.append(port)
-    spawn(world, _in_turn, [(port, *call) for port, call in zip(ports, calls)])
+    independent jobs, each of which starts its own process group and destroys it at its end,
+    each on a port of its own. A resume belongs in a fresh spawn, as a restarted job would run."""
+    with tempfile.TemporaryDirectory(prefix="spawn-in-turn-") as sync_dir:
+        spawn(world, _in_turn, sync_dir, list(calls))
 
 
 def spawn_jobs(world: int, *jobs: list[str]) -> None:
