@@ -35,5 +35,6 @@ def test_cluster_drill_names_every_fault_on_its_node(wanka_cluster, tmp_path):
     assert [f["kind"] for f in rows] == ["kill", "node_kill", "link_cut"]
     assert [f["detected_as"] for f in rows] == ["process_crash", "node_lost", "node_lost"]
     assert all(f["node"] == f["named_node"] == "n1" for f in rows), rows
-    assert run["within_limit"] == "3/3", rows  # each named within its learned hang limit
+    # The node kill and the cut link (a crash is seen at once, not judged by a limit).
+    assert run["within_limit"] == "2/2", rows  # each named within its learned hang limit
     assert " on" in r.stdout and "node_lost" in r.stdout  # the table's node columns

@@ -115,10 +115,18 @@ def test_a_fault_seen_first_by_the_coordinator_stops_the_followers(pair, monkeyp
     stop = threading.Event()
     t = threading.Thread(target=follower.watch, args=(None, 1, seen, stop))
     t.start()
-    t.join(timeout=10)
-    assert not t.is_alive()
+    deadline = time.monotonic() + 10
+    while not killed and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert killed, "the follower's ranks were not stopped"
     assert (seen.cause, seen.rank, seen.node) == ("process_crash", 0, "n0")
+    # It keeps stopping ranks (one a late rendezvous starts) until the attempt has ended.
+    n = len(killed)
+    time.sleep(0.5)
+    assert t.is_alive() and len(killed) > n
+    stop.set()
+    t.join(timeout=5)
+    assert not t.is_alive()
     # What follows: the follower waits (publishing) until the coordinator says.
     got = {}
     w = threading.Thread(target=lambda: got.update(follower.wait_next(1)))
@@ -211,8 +219,9 @@ def test_a_verdict_alone_stops_the_followers_ranks(pair, monkeypatch):
     monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
     out = Outcome("process_crash", rank=0, detail="d", t_fault=1.0, t_detect=2.0, node="n0")
     head.view.put("verdict", hc._verdict(out))  # no decision written at all
-    seen = Outcome("success")
-    follower.watch(None, 1, seen, threading.Event())
+    seen, stop = Outcome("success"), threading.Event()
+    threading.Timer(1.0, stop.set).start()  # the attempt ends (its ranks were killed)
+    follower.watch(None, 1, seen, stop)
     assert killed and seen.cause == "process_crash"
 
 
@@ -302,3 +311,32 @@ def test_a_stop_kills_only_the_attempts_own_children(pair):
     finally:
         before.kill()
         before.wait()
+
+
+def test_a_slow_call_after_a_quiet_spell_is_not_taken_for_a_lost_store(pair, monkeypatch):
+    """The deadline runs from the call's start when the last answer is old (a follower's first
+    call after a long start-up): a healthy but slow call is waited for."""
+    _, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)
+    follower._last_ok = time.monotonic() - 20
+    assert follower._answered(lambda: (time.sleep(0.3), "ok")[1]) == "ok"
+
+
+def test_an_attempt_that_ended_before_forming_is_not_joined(pair):
+    """Attempt 3 failed while still starting (a host died in its start-up): a host restarting
+    now must wait for what follows it, not join its rendezvous."""
+    head, follower = pair
+    head.begin(3)
+    out = Outcome("node_lost", node="n1", detail="agent silent", t_fault=1.0, t_detect=2.0)
+    head._stop_all(3, out, "node n1: node_lost")
+    assert head.root.get("current") == {"attempt": 3, "formed": False, "over": True}
+    head.announce(3, "restart", message="node n1: node_lost (agent silent)")
+    assert follower.join() == (4, None)
+
+
+def test_a_stop_request_while_waiting_for_the_coordinator_is_resumable(pair):
+    _, follower = pair
+    stop = threading.Event()
+    stop.set()
+    nxt = follower.wait_next(1, stop)
+    assert (nxt["action"], nxt["rc"]) == ("end", 75)

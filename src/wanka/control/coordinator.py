@@ -213,8 +213,7 @@ class Coordinator:
             detail = f"rank {rank} died in {rep.beat.phase} of step {rep.beat.step + 1}, {how}"
         node = rep.node if rep else exit_.node if exit_ else None
         return ControlFault(cause, rank, node, detail, t_fault=now,
-                            state=rep.state if rep else None,
-                            limit_s=self.monitor.limit(rep.beat) if rep else None)  # fmt: skip
+                            state=rep.state if rep else None)  # fmt: skip
 
     def _hung(self, ranks: dict[int, RankReport], now: float) -> ControlFault | None:
         def since(rep: RankReport) -> float:  # when it entered its phase, on our clock

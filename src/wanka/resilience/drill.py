@@ -258,8 +258,10 @@ def drill(config: str | None, overrides: list[str], nproc: int, schedule: str, o
             res.update(goodput=g.goodput, wall_timeline_s=g.wall_s, steps_lost=g.steps_lost,
                        breakdown=g.breakdown,
                        injected=injected_faults(events, schedule, run_dir / "resilience" / "chaos"))  # fmt: skip
-            rows = res["injected"]  # how many were named within their learned hang limit
-            res["within_limit"] = f"{sum(bool(r['within_limit']) for r in rows)}/{len(rows)}"
+            # Of the detections judged by a hang limit (a hang, a silent node; not a crash,
+            # seen at once from the process's state), how many came within it.
+            judged = [r for r in res["injected"] if r["within_limit"] is not None]
+            res["within_limit"] = f"{sum(r['within_limit'] for r in judged)}/{len(judged)}"
         runs[name] = res
     ref = runs["reference"]["digest"]
     for res in runs.values():

@@ -48,10 +48,10 @@ CONTROL_ENDPOINT_ENV = "WANKA_CONTROL_ENDPOINT"
 
 
 def is_coordinator(control_host: str) -> bool:
-    """This host coordinates: Slurm's node 0, else the host the control store's address names
-    (torch's own rule for who hosts the c10d rendezvous store)."""
+    """This host coordinates: the host WANKA_CONTROL_ENDPOINT names, else Slurm's node 0, else
+    the host the rendezvous endpoint names (torch's own rule for who hosts the c10d store)."""
     node_id = os.environ.get("SLURM_NODEID")
-    if node_id is not None:
+    if node_id is not None and CONTROL_ENDPOINT_ENV not in os.environ:
         return node_id.strip() == "0"
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
@@ -109,6 +109,8 @@ class HostControl:
         self.orphaned = False  # the store stopped answering: nobody is left to decide
         self._last_ok = time.monotonic()  # the last store call that answered
         self._before: set[int] = set()  # children of ours from before the attempt's ranks
+        self._inflight: threading.Thread | None = None  # the store call under way, if any
+        self._formed = False  # the coordinator said every host is in this attempt
         try:
             if self.coordinating:
                 self.server = ControlStore.serve("0.0.0.0", self.port, self.rdzv_id)
@@ -137,6 +139,7 @@ class HostControl:
                 if time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
                     self.orphaned = True
                     return 0, {"action": "end", "rc": 1, "own": True, "message": str(e)}
+                time.sleep(AGENT_POLL_S)
                 continue
             if cur is not None:
                 break
@@ -144,7 +147,7 @@ class HostControl:
                 return 0, nxt
             time.sleep(AGENT_POLL_S)
         at = int(cur["attempt"])
-        if not cur.get("formed"):
+        if not cur.get("formed") and not cur.get("over"):  # still forming: this one is ours
             return at, None
         log.warning("attempt %d of the job is under way without this host: joining the next",
                     at)  # fmt: skip
@@ -168,6 +171,7 @@ class HostControl:
         self.hb_dir(attempt).mkdir(parents=True, exist_ok=True)
         self.attempt, self.view = attempt, self._attempt_view(attempt)
         self._before = set(_children())
+        self.orphaned, self._formed = False, False
         try:
             self.agent = self._answered(
                 lambda: NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
@@ -199,6 +203,13 @@ class HostControl:
         last answer: a call into a frozen or vanished host blocks far longer than the store's
         time-out (until TCP gives up, or for ever). ConnectionError when it takes longer."""
         box: dict = {}
+        prev = self._inflight
+        if prev is not None and prev.is_alive():  # one call at a time: wait for the last one
+            prev.join(max(0.0, self._last_ok + AGENT_TIMEOUT_S - time.monotonic()))
+            if prev.is_alive():
+                raise ConnectionError(f"the control store at {self.host}:{self.port} has not "
+                                      f"answered for {AGENT_TIMEOUT_S:.0f} s")  # fmt: skip
+        deadline = max(self._last_ok, time.monotonic()) + AGENT_TIMEOUT_S
 
         def run() -> None:
             try:
@@ -207,11 +218,11 @@ class HostControl:
             except Exception as e:  # noqa: BLE001  (raised below, in the caller's thread)
                 box["error"] = e
 
-        t = threading.Thread(target=run, name="wanka-control-call", daemon=True)
+        t = self._inflight = threading.Thread(target=run, name="wanka-control-call", daemon=True)
         t.start()
         while t.is_alive():
             t.join(AGENT_POLL_S)
-            if t.is_alive() and time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
+            if t.is_alive() and time.monotonic() > max(deadline, self._last_ok + AGENT_TIMEOUT_S):
                 raise ConnectionError(f"the control store at {self.host}:{self.port} has not "
                                       f"answered for {AGENT_TIMEOUT_S:.0f} s")  # fmt: skip
         if "error" in box:
@@ -222,15 +233,19 @@ class HostControl:
     def watch(self, _hb_dir: Path, attempt: int, out, stop: threading.Event) -> None:
         """The supervisor's monitor thread: publish this host's ranks; the coordinator also
         names faults and decides; a follower carries out the decisions."""
-        failing = False
+        failing, over = False, False
         self._last_ok = time.monotonic()
         while not self.orphaned:
             last = stop.wait(AGENT_POLL_S)
             now = time.time()
+            if over:  # ranks that start after the verdict (a rendezvous completing late) too
+                self._kill_local(0, signal.SIGKILL)
+                if last:
+                    return
+                continue
             try:
                 # publishes; a stop decision kills our ranks
-                if self._answered(functools.partial(self._poll, attempt, out, now, last)):
-                    return
+                over = self._answered(functools.partial(self._poll, attempt, out, now, last))
                 failing = False
             except ConnectionError as e:
                 if not failing:
@@ -245,6 +260,10 @@ class HostControl:
                 return
 
     def _poll(self, attempt: int, out, now: float, final: bool) -> bool:
+        """One look; True once the attempt is over (a verdict). Runs under _answered's
+        deadline: a late one (the store answered after we gave up on it) changes nothing."""
+        if self.orphaned:
+            return False
         self.agent.poll_once()
         reports = self.view.read_ranks(self.world)
         steps = [rep.beat.step for rep in reports.values() if rep.beat.attempt == attempt]
@@ -259,9 +278,11 @@ class HostControl:
             # poll read; and the attempt is over here in any case.
             self.agent.poll_once()
             self._kill_local(0, signal.SIGKILL)
-            _fill(out, verdict)
+            if not self.orphaned:
+                _fill(out, verdict)
             return True
-        if len(self.view.nodes()) >= self.sup.nnodes and steps:
+        if not self._formed and steps and len(self.view.nodes()) >= self.sup.nnodes:
+            self._formed = True  # every host is in: a host starting now joins the next one
             self.root.put("current", {"attempt": attempt, "formed": True})
         fault = self.coordinator.check(now, final=final)
         if fault is None:
@@ -282,10 +303,14 @@ class HostControl:
         decision too."""
         self.coordinator.decide_stop(attempt, reason)
         self.view.put("verdict", _verdict(out, self.sup.node))
+        self.root.put("current", {"attempt": attempt, "formed": self._formed, "over": True})
 
     def _orphaned(self, out, now: float) -> None:
         self.orphaned = True
-        self.agent._fence()
+        try:
+            self.agent._fence()
+        except RuntimeError:  # an abandoned poll was changing the agent's records meanwhile
+            pass
         self._kill_local(0, signal.SIGKILL)
         out.cause, out.rank, out.node = "node_lost", None, self.host
         out.detail = (f"the control store at {self.host}:{self.port} was unreachable for "
@@ -301,6 +326,22 @@ class HostControl:
         try:
             if self.view.get("verdict") is None:
                 self._stop_all(attempt, out, f"{out.cause}: {out.detail}")
+        except ConnectionError as e:
+            log.error("control store: %s", e)
+
+    def abort(self, reason: str) -> None:
+        """The coordinator's loop ended by an exception in an attempt: stop every host's
+        ranks (no verdict will come from the watch)."""
+        if not self.coordinating or self.view is None or self.coordinator is None:
+            return
+        try:
+            if self.view.get("verdict") is None:
+                from types import SimpleNamespace
+
+                out = SimpleNamespace(cause="process_crash", rank=None, node=self.sup.node,
+                                      detail=reason, t_fault=time.time(), t_detect=time.time(),
+                                      limit_s=None)  # fmt: skip
+                self._stop_all(self.attempt, out, reason)
         except ConnectionError as e:
             log.error("control store: %s", e)
 
@@ -330,7 +371,7 @@ class HostControl:
         except ConnectionError as e:
             log.error("control store: %s", e)
 
-    def wait_next(self, attempt: int) -> dict:
+    def wait_next(self, attempt: int, preempt: threading.Event | None = None) -> dict:
         """A follower, after `attempt` ended here: the coordinator's word on what follows. The
         coordinator may sleep a back-off first; a store gone for AGENT_TIMEOUT_S ends the job."""
         gone = {"action": "end", "rc": 1, "own": True,
@@ -348,6 +389,9 @@ class HostControl:
             return view.get("next")
 
         while not self.orphaned:
+            if preempt is not None and preempt.is_set():  # a stop request while we wait
+                return {"action": "end", "rc": 75, "own": True,
+                        "message": "stopped on request; run the same command again to resume"}  # fmt: skip
             try:
                 nxt = self._answered(look)
                 if nxt is not None:

@@ -278,7 +278,8 @@ class Supervisor:
         if self.control is not None:
             self.control.begin(attempt, self.nodes, self.spare_nodes() if self.cluster else [])
             if self._hosts() and self.control.orphaned:  # the store did not answer: no attempt
-                out.cause, out.node, out.t_detect = "node_lost", self.control.host, time.time()
+                node = self.node if not self.follows else self.control.host
+                out.cause, out.node, out.t_detect = "node_lost", node, time.time()
                 out.detail = (
                     f"the control store at {self.control.host}:{self.control.port} did not answer"
                 )
@@ -290,6 +291,8 @@ class Supervisor:
         import torch.distributed as dist
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+        launch_error: Exception | None = None
 
         try:
             if self.cluster is not None:
@@ -303,15 +306,18 @@ class Supervisor:
             out.cause, out.detail = "preempted", f"signal {e.sigval}"
             self._preempt.set()
         except (RendezvousError, dist.DistError) as e:  # a peer host missing, late or gone
-            out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
-            out.detail = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
-            out.t_detect = out.t_detect or time.time()
+            launch_error = e
         finally:
             stop.set()
             watcher.join()
             if not self.follows:  # learned from every host's ranks by the coordinator only
                 self.timeouts.save()
             self._catch_stop_requests()  # the agent left its own handlers behind
+        if launch_error is not None and out.cause == "success":  # unless the watch named it
+            out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
+            first = (str(launch_error).strip().splitlines() or [""])[0][:200]
+            out.detail = f"{type(launch_error).__name__}: {first}"
+            out.t_detect = out.t_detect or time.time()
         if out.launcher_killed is not None:
             self._node_lost(out)
         if out.cause == "node_lost" and out.node and self._warm is not None:
@@ -511,7 +517,6 @@ class Supervisor:
             if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
                 out.cause = "user_error"  # it said why in one line; retrying cannot help
             out.t_fault = self.chaos.fault_time(b.rank) or now
-            out.limit_s = monitor.limit(b)
         else:
             out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
             out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
@@ -532,6 +537,10 @@ class Supervisor:
         try:
             rc = self._run()
             return rc
+        except BaseException as e:  # the other hosts' ranks must not wait on ours
+            if self._hosts() and not self.follows:
+                self.control.abort(f"the coordinator stopped: {type(e).__name__}: {e}")
+            raise
         finally:  # a job that wrote no snapshot (e.g. stopped in pre-flight) leaves no folder
             from wanka.train.run_lock import drop_owner_if_alone
 
@@ -573,13 +582,18 @@ class Supervisor:
             if ended is not None:
                 return self._follower_end(ended)
             attempt = first - 1
-        while not self._preempt.is_set():
+        while True:
+            if self._preempt.is_set():  # a stop request between attempts: resumable
+                print(f"{self.says} stopped on request between attempts; run the same command "
+                      "again to resume", file=sys.stderr)  # fmt: skip
+                rc = EXIT_PREEMPTED
+                break
             attempt += 1
             self.attempt = self.timeline.attempt = attempt
             out = self._attempt(attempt)
             self.outcomes.append(out)
             if self.follows and out.cause != "preempted" and not self._preempt.is_set():
-                nxt = self.control.wait_next(attempt)
+                nxt = self.control.wait_next(attempt, self._preempt)
                 if nxt["action"] == "restart":
                     print(f"{self.says} {nxt['message'] or out.cause}; restart as the "
                           f"coordinator ({self.control.host}) decided", file=sys.stderr,
@@ -644,15 +658,12 @@ class Supervisor:
             )
             print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
-            time.sleep(delay)
+            self._preempt.wait(delay)  # a stop request ends the back-off at once
             if self.rc.preflight != "off" and self._preflight(live=False):
                 rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
                 break
-            if self._preempt.is_set():  # a stop request during the back-off: resumable
-                print(f"{self.says} stopped on request before restart {failures}; run the same "
-                      "command again to resume", file=sys.stderr)  # fmt: skip
-                rc = EXIT_PREEMPTED
-                break
+            if self._preempt.is_set():
+                continue  # the loop's top ends the job (75): no restart to announce
             if self._hosts():
                 self.control.announce(attempt, "restart", message=f"{self._where(out)}"
                                       f"{out.cause} ({out.detail})")  # fmt: skip
@@ -714,8 +725,11 @@ class Supervisor:
     def _record_fault(self, out: Outcome, attempt: int) -> bool:
         """Record the fault in the timeline and ledger; True when it got a node evicted."""
         t1 = out.t_detect or time.time()
-        if out.limit_s is None:  # no culprit rank's phase: the longest any phase's hang may last
-            out.limit_s = max(self.timeouts.limit(p) for p in TRAIN_PHASES)
+        if out.limit_s is None and out.cause in ("hang", "node_lost"):
+            # Named without a culprit phase (a node's launcher or agent killed): the longest
+            # learned limit of any phase, the most its silence could have taken to be noticed.
+            learned = [self.timeouts.limit(p) for p in TRAIN_PHASES if p in self.timeouts.learned]
+            out.limit_s = max(learned) if learned else None
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
                             node=out.node or self.node, detail=out.detail, limit_s=out.limit_s,
                             injected=self.chaos.fault_time(out.rank, out.node) is not None)  # fmt: skip
