@@ -30,7 +30,6 @@ import functools
 import logging
 import os
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,55 +37,20 @@ from pathlib import Path
 from wanka.control.agent import NodeAgent
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
+from wanka.resilience.host_setup import (
+    CONTROL_ENDPOINT_ENV,
+    CONTROL_PORT_ENV,
+    children,
+    control_address,
+    is_coordinator,
+    local_hb_root,
+    safe_name,
+)
 
 log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
-CONTROL_PORT_ENV = "WANKA_CONTROL_PORT"
-CONTROL_ENDPOINT_ENV = "WANKA_CONTROL_ENDPOINT"
-
-
-def is_coordinator(control_host: str) -> bool:
-    """This host coordinates: the host WANKA_CONTROL_ENDPOINT names, else Slurm's node 0, else
-    the host the rendezvous endpoint names (torch's own rule for who hosts the c10d store)."""
-    node_id = os.environ.get("SLURM_NODEID")
-    if node_id is not None and CONTROL_ENDPOINT_ENV not in os.environ:
-        return node_id.strip() == "0"
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
-
-    return _matches_machine_hostname(control_host)
-
-
-def control_address(rdzv: dict) -> tuple[str, int]:
-    """(host, port) of the control store: WANKA_CONTROL_ENDPOINT if set, else the c10d
-    rendezvous host and its port + 1 (WANKA_CONTROL_PORT to change the port). An etcd
-    rendezvous names the etcd server, not one of the job's hosts: there the address is needed."""
-    given = os.environ.get(CONTROL_ENDPOINT_ENV)
-    backend = str(rdzv.get("rdzv_backend") or "c10d")
-    if given is None and backend.startswith("etcd"):
-        raise ValueError(f"resilience.control = store with --rdzv-backend {backend}: the "
-                         "control store is a TCPStore served by one of the job's hosts, and an "
-                         "etcd endpoint is not one; set WANKA_CONTROL_ENDPOINT=HOST:PORT (that "
-                         "host coordinates), or use the c10d rendezvous")  # fmt: skip
-    flag = CONTROL_ENDPOINT_ENV if given is not None else "--rdzv-endpoint"
-    endpoint = given if given is not None else str(rdzv.get("rdzv_endpoint") or "")
-    host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"resilience.control = store across hosts needs {flag} HOST:PORT "
-                         f"(got {endpoint!r})")  # fmt: skip
-    if given is not None:
-        return host.strip("[]"), int(port)
-    own = os.environ.get(CONTROL_PORT_ENV)
-    if own is not None and not (own.isdigit() and 0 < int(own) < 65536):
-        raise ValueError(f"{CONTROL_PORT_ENV}={own!r}: a port number, e.g. 29501")
-    return host.strip("[]"), int(own) if own else int(port) + 1
-
-
-def local_hb_root() -> Path:
-    """Host-local folder for the ranks' heartbeat files: memory, not the shared run dir."""
-    shm = Path("/dev/shm")
-    return (shm if shm.is_dir() else Path(tempfile.gettempdir())) / "wanka-control"
 
 
 class HostControl:
@@ -105,7 +69,7 @@ class HostControl:
         self.view: ControlStore | None = None  # this attempt's keys
         self.agent: NodeAgent | None = None
         self.coordinator: Coordinator | None = None
-        self.hb_root = local_hb_root() / _safe(self.rdzv_id) / _safe(sup.node)
+        self.hb_root = local_hb_root() / safe_name(self.rdzv_id) / safe_name(sup.node)
         self.orphaned = False  # the store stopped answering: nobody is left to decide
         self._last_ok = time.monotonic()  # the last store call that answered
         self._before: set[int] = set()  # children of ours from before the attempt's ranks
@@ -170,7 +134,7 @@ class HostControl:
         shutil.rmtree(self.hb_root, ignore_errors=True)  # earlier attempts' records
         self.hb_dir(attempt).mkdir(parents=True, exist_ok=True)
         self.attempt, self.view = attempt, self._attempt_view(attempt)
-        self._before = set(_children())
+        self._before = set(children())
         self.orphaned, self._formed = False, False
         try:
             self.agent = self._answered(
@@ -190,7 +154,7 @@ class HostControl:
         """A stop: this host's ranks, the children of this process the elastic agent started
         for the attempt (forked or spawned; one still starting has no heartbeat record to name
         it): not those from before it, nor multiprocessing's resource tracker."""
-        for pid, cmdline in _children().items():
+        for pid, cmdline in children().items():
             if pid in self._before or b"resource_tracker" in cmdline:
                 continue
             try:
@@ -431,19 +395,6 @@ class HostControl:
             pass
 
 
-def _children() -> dict[int, bytes]:
-    """pid -> command line of every child of this process."""
-    me, out = os.getpid(), {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            if int(text[text.rindex(")") + 2 :].split()[1]) == me:
-                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            pass
-    return out
-
-
 def _verdict(out, node: str | None = None) -> dict:
     return {"cause": out.cause, "rank": out.rank, "node": out.node or node,
             "detail": out.detail, "t_fault": out.t_fault, "t_detect": out.t_detect,
@@ -454,7 +405,3 @@ def _fill(out, verdict: dict) -> None:
     out.cause, out.rank, out.node = verdict["cause"], verdict["rank"], verdict["node"]
     out.detail, out.t_fault = verdict["detail"], verdict["t_fault"]
     out.t_detect, out.limit_s = verdict["t_detect"], verdict.get("limit_s")
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name) or "job"
