@@ -382,7 +382,8 @@ class HostControl:
                 pass
 
     def _wait_followers_read(self, timeout_s: float = 10.0) -> None:
-        if self.view is None:
+        if self.view is None:  # ended before any attempt (pre-flight): followers poll at 10 Hz
+            time.sleep(10 * AGENT_POLL_S)
             return
         deadline = time.monotonic() + timeout_s
         try:
