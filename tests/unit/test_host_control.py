@@ -340,3 +340,19 @@ def test_a_stop_request_while_waiting_for_the_coordinator_is_resumable(pair):
     stop.set()
     nxt = follower.wait_next(1, stop)
     assert (nxt["action"], nxt["rc"]) == ("end", 75)
+
+
+def test_a_follower_whose_pre_flight_failed_ends_the_job_at_the_coordinator(pair):
+    """The coordinator's attempt waits at the rendezvous for every host: a follower that ends
+    before its first attempt says so, and the coordinator names it and stops the attempt."""
+    head, follower = pair
+    head.begin(1)
+    follower.leave(2, "its pre-flight failed (see that node's output)")
+    out = Outcome("success")
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()
+    head.watch(None, 1, out, stop)
+    assert (out.cause, out.node) == ("user_error", "n1")
+    assert out.said == "node n1: its pre-flight failed (see that node's output)"
+    assert head.view.get("verdict")["cause"] == "user_error"
+    assert head.view.read_decision()["action"] == "stop"

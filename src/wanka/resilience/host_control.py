@@ -245,6 +245,13 @@ class HostControl:
             if not self.orphaned:
                 _fill(out, verdict)
             return True
+        left = self.root.get("left")  # a host that ended on its own (its pre-flight failed)
+        if left is not None:
+            out.cause = "user_error" if left["rc"] == 2 else "startup_failure"
+            out.node, out.detail, out.t_detect = left["node"], left["message"], now
+            out.said = f"node {left['node']}: {left['message']}"
+            self._stop_all(attempt, out, f"node {left['node']}: {left['message']}")
+            return True
         if not self._formed and steps and len(self.view.nodes()) >= self.sup.nnodes:
             self._formed = True  # every host is in: a host starting now joins the next one
             self.root.put("current", {"attempt": attempt, "formed": True})
@@ -290,6 +297,17 @@ class HostControl:
         try:
             if self.view.get("verdict") is None:
                 self._stop_all(attempt, out, f"{out.cause}: {out.detail}")
+        except ConnectionError as e:
+            log.error("control store: %s", e)
+
+    def leave(self, rc: int, message: str) -> None:
+        """A follower ends before its first attempt (its pre-flight failed): the coordinator,
+        waiting for it at the rendezvous, ends the job with the same code and reason."""
+        if self.coordinating:
+            return
+        try:
+            value = {"node": self.sup.node, "rc": rc, "message": message}
+            self._answered(lambda: self.root.put("left", value))
         except ConnectionError as e:
             log.error("control store: %s", e)
 

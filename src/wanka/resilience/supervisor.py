@@ -342,7 +342,7 @@ class Supervisor:
         if out.cause in ("process_crash", "startup_failure") and out.rank is not None:
             out.error = rank_logs.last_exception(self.run_dir, out.rank, self._log_marks)
         if out.cause == "user_error" and marks is not None:
-            out.said = next(filter(None, (marks[r][1] for r in sorted(marks))), None)
+            out.said = next(filter(None, (marks[r][1] for r in sorted(marks))), out.said)
         elif out.cause == "user_error":  # rank 0's words first: every rank usually says the same
             ranks = sorted(int(p.stem[4:]) for p in hb_dir.glob("rank*.exit"))
             out.said = next(filter(None, (exit_message(hb_dir, r) for r in ranks)), None)
@@ -574,6 +574,8 @@ class Supervisor:
         if self.rc.preflight != "off":
             rc = self._preflight(live=self.rc.preflight == "full")
             if rc:
+                if self.follows:  # the coordinator waits for us at the rendezvous: tell it
+                    self.control.leave(rc, "its pre-flight failed (see that node's output)")
                 return rc
         attempt, failures, stalled, last_max = 0, 0, 0, -1
         rc = 1
