@@ -3,10 +3,12 @@ host_control.py), and what a host keeps to itself: its heartbeat folder, its own
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 
+log = logging.getLogger("wanka.supervisor")
 CONTROL_PORT_ENV = "WANKA_CONTROL_PORT"
 CONTROL_ENDPOINT_ENV = "WANKA_CONTROL_ENDPOINT"
 
@@ -14,11 +16,16 @@ CONTROL_ENDPOINT_ENV = "WANKA_CONTROL_ENDPOINT"
 def is_coordinator(control_host: str) -> bool:
     """This host coordinates: the host WANKA_CONTROL_ENDPOINT names, else Slurm's node 0, else
     the host the rendezvous endpoint names (torch's own rule for who hosts the c10d store)."""
-    node_id = os.environ.get("SLURM_NODEID")
-    if node_id is not None and CONTROL_ENDPOINT_ENV not in os.environ:
-        return node_id.strip() == "0"
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
+    node_id = os.environ.get("SLURM_NODEID")
+    if node_id is not None and CONTROL_ENDPOINT_ENV not in os.environ:
+        first = node_id.strip() == "0"
+        if first and not _matches_machine_hostname(control_host):  # a hand-written script?
+            log.warning("SLURM_NODEID 0 coordinates, but the rendezvous endpoint names %s, "
+                        "not this host: the others will look for the control store there; "
+                        "point --rdzv-endpoint at the allocation's first node", control_host)  # fmt: skip
+        return first
     return _matches_machine_hostname(control_host)
 
 

@@ -36,8 +36,8 @@ from wanka.resilience.heartbeat import exit_code, exit_message, node_of, read_al
 from wanka.resilience.ledger import EvictionPolicy, FaultLedger
 from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state, stragglers
 
-# The phases of a training step (heartbeat.py's, less start-up and the end).
-TRAIN_PHASES = ("data", "sync", "forward", "backward", "optimizer", "snapshot", "checkpoint")
+# The phases of a training step (heartbeat.py's, less start-up, saves to disk and the end).
+TRAIN_PHASES = ("data", "sync", "forward", "backward", "optimizer", "snapshot")
 
 log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
@@ -729,7 +729,8 @@ class Supervisor:
         t1 = out.t_detect or time.time()
         if out.limit_s is None and out.cause in ("hang", "node_lost"):
             # Named without a culprit phase (a node's launcher or agent killed): the longest
-            # learned limit of any phase, the most its silence could have taken to be noticed.
+            # learned limit of a step's phases, as its silence would have been judged mid-step
+            # (a save to disk, with its 30 s floor, would allow more: this is the stricter).
             learned = [self.timeouts.limit(p) for p in TRAIN_PHASES if p in self.timeouts.learned]
             out.limit_s = max(learned) if learned else None
         self.timeline.event("fault", out.t_fault or t1, t1, cause=out.cause, rank=out.rank,
