@@ -47,6 +47,13 @@ class ControlFault:
     state: str | None = None  # the culprit rank's process state, as its node saw it
     limit_s: float | None = None  # the learned hang limit it was detected within
 
+    def onto(self, out, now: float, t_fault: float | None = None) -> None:
+        """Copy this fault into the supervisor's Outcome `out`, detected `now` (`t_fault`:
+        when it happened if known better, e.g. a drill's injection)."""
+        out.cause, out.rank, out.node, out.detail = self.cause, self.rank, self.node, self.detail
+        out.t_fault, out.t_detect = t_fault or self.t_fault or now, now
+        out.limit_s = self.limit_s
+
     def describe(self) -> str:
         where = (
             f"node {self.node}" if self.rank is None else f"rank {self.rank} on node {self.node}"

@@ -258,13 +258,7 @@ class HostControl:
         fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False
-        out.cause, out.rank, out.node, out.detail = (
-            fault.cause,
-            fault.rank,
-            fault.node,
-            fault.detail,
-        )
-        out.t_fault, out.t_detect, out.limit_s = fault.t_fault or now, now, fault.limit_s
+        fault.onto(out, now)
         self._stop_all(attempt, out, fault.describe())
         self.agent.poll_once()  # ours at once
         return True

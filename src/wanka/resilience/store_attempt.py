@@ -361,14 +361,7 @@ class StoreControl:
         fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False
-        out.cause, out.rank, out.node, out.detail = (
-            fault.cause,
-            fault.rank,
-            fault.node,
-            fault.detail,
-        )
-        out.t_fault = sup.chaos.fault_time(fault.rank, fault.node) or fault.t_fault or now
-        out.t_detect, out.limit_s = now, fault.limit_s
+        fault.onto(out, now, sup.chaos.fault_time(fault.rank, fault.node))
         self.coordinator.decide_stop(attempt, fault.describe())  # each agent kills its ranks
         # Should no agent act on it (its store link broken, itself stuck), the attempt is torn
         # down from here after a grace: peers must not wait on gloo until its time-out.
