@@ -52,7 +52,14 @@ def pair(tmp_path, monkeypatch):
     head = hc.HostControl(fake_sup(tmp_path, "n0", port))
     monkeypatch.setenv("SLURM_NODEID", "1")
     follower = hc.HostControl(fake_sup(tmp_path, "n1", port))
+    # A stop here must never reach the test process's own children (other tests' jobs): each
+    # host records what it would kill; only the test of _kill_local itself calls the real one.
+    for c in (head, follower):
+        c.killed = []
+        c._kill_local = lambda _pgid, sig, c=c: c.killed.append(sig)
     yield head, follower
+    for c in (head, follower):  # ends any watch loop a failed test left running
+        c.orphaned = True
 
 
 def test_address_role_and_one_line_errors(monkeypatch):
@@ -116,7 +123,7 @@ def test_a_fault_seen_first_by_the_coordinator_stops_the_followers(pair, monkeyp
     t = threading.Thread(target=follower.watch, args=(None, 1, seen, stop))
     t.start()
     deadline = time.monotonic() + 10
-    while not killed and time.monotonic() < deadline:
+    while (not killed or seen.cause == "success") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert killed, "the follower's ranks were not stopped"
     assert (seen.cause, seen.rank, seen.node) == ("process_crash", 0, "n0")
@@ -305,7 +312,7 @@ def test_a_stop_kills_only_the_attempts_own_children(pair):
     try:
         head.begin(1)
         rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        head._kill_local(0, 9)
+        hc.HostControl._kill_local(head, 0, 9)
         assert rank.wait(timeout=5) == -9
         assert before.poll() is None  # there before the attempt: not one of its ranks
     finally:

@@ -240,10 +240,10 @@ class HostControl:
                 return False
             # The stop was written before the verdict: carry it out now, whatever the last
             # poll read; and the attempt is over here in any case.
-            self.agent.poll_once()
-            self._kill_local(0, signal.SIGKILL)
             if not self.orphaned:
                 _fill(out, verdict)
+            self.agent.poll_once()
+            self._kill_local(0, signal.SIGKILL)
             return True
         left = self.root.get("left")  # a host that ended on its own (its pre-flight failed)
         if left is not None:
