@@ -82,6 +82,12 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state,
                                  spare_nodes=cfg.resilience.spare_nodes)  # fmt: skip
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
+    r = cfg.resilience
+    if r.supervise and r.control == "store" and nnodes > 1 and r.spare_nodes:  # hot spares
+        if r.spare_nodes >= nnodes:
+            raise ValueError(f"resilience.spare_nodes={r.spare_nodes} leaves no host to train on: "
+                             f"the job has {nnodes} host(s) (--nnodes); set it below that")  # fmt: skip
+        nnodes -= r.spare_nodes  # the hosts that train at once
     try:
         ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)
     except ValueError as e:

@@ -14,14 +14,16 @@ Configuration, from the environment:
                     "shm": "/path" too, that folder is the node's own /dev/shm.
 
 What each does, as the real one does (and only that):
-  srun [--nodes=N] [--ntasks=N] [--ntasks-per-node=1] [--kill-on-bad-exit[=0|1]] [--wait=S] CMD
+  srun [--nodes=N] [--ntasks=N] [--ntasks-per-node=1] [--kill-on-bad-exit[=0|1]] [--wait=S]
+       [--no-kill] CMD
       one task per node with SLURM_JOB_ID, SLURM_NODEID, SLURM_PROCID, SLURM_LOCALID,
       SLURM_NNODES, SLURM_NTASKS, SLURM_STEP_ID and SLURMD_NODENAME; exit code = the highest
       task exit code (128 + signal for a task killed by one). A TERM, HUP or QUIT to srun
       itself kills the tasks with SIGKILL ("forcing job termination"); USR1, USR2 and CONT are
       forwarded to them. The remaining tasks get TERM, then KILL after KILL_WAIT_S (Slurm's
       KillWait): with --kill-on-bad-exit, as soon as a task exits non-zero; with --wait=S, S
-      seconds after the first task ended, whatever its exit code (0: no limit).
+      seconds after the first task ended, whatever its exit code (0: no limit); neither with
+      --no-kill.
   scontrol show hostnames [LIST]   expand a host list (default $SLURM_JOB_NODELIST)
   scontrol requeue JOBID           append JOBID to $FAKE_SLURM_DIR/requeued
   scancel --signal=SIG JOBID       SIG to every process of the job's steps (not the batch
@@ -102,7 +104,8 @@ def srun(argv: list[str]) -> int:
     opts: dict[str, str] = {}
     while argv and argv[0].startswith("-"):
         name, _, value = argv.pop(0).partition("=")
-        if name not in ("--nodes", "--ntasks", "--ntasks-per-node", "--kill-on-bad-exit", "--wait"):
+        if name not in ("--nodes", "--ntasks", "--ntasks-per-node", "--kill-on-bad-exit", "--wait",
+                        "--no-kill"):  # fmt: skip
             fail(f"srun option {name} is not supported")
         opts[name] = value or "1"
     if not argv:
@@ -140,7 +143,9 @@ def srun(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
                 signal.SIGCONT):  # fmt: skip
         signal.signal(sig, on_signal)
-    wait_s = float(opts.get("--wait", "0"))
+    # --no-kill: "--kill-on-bad-exit and --wait have no effect upon the job step" (srun(1))
+    no_kill = "--no-kill" in opts
+    wait_s = 0.0 if no_kill else float(opts.get("--wait", "0"))
     first_end = kill_at = None
     try:
         while any(p.poll() is None for p in procs):
@@ -150,7 +155,7 @@ def srun(argv: list[str]) -> int:
                 first_end = now
             bad = [p for p in ended if p.returncode != 0]
             if kill_at is None and (
-                (bad and opts.get("--kill-on-bad-exit", "0") == "1")
+                (bad and opts.get("--kill-on-bad-exit", "0") == "1" and not no_kill)
                 or (wait_s > 0 and first_end is not None and now - first_end > wait_s)
             ):
                 print(f"srun: error: terminating the step (task {procs.index(ended[0])} exited "

@@ -36,8 +36,9 @@ def cluster():
         yield c
 
 
-def write_script(tmp: Path, steps: int, every: int, extra: tuple[str, ...] = ()) -> Path:
-    """The sbatch script for a tiny 2-node x 1-rank job, through the real CLI handler."""
+def write_script(tmp: Path, steps: int, every: int, extra: tuple[str, ...] = (),
+                 nodes: int = 2) -> Path:  # fmt: skip
+    """The sbatch script for a tiny `nodes`-node x 1-rank job, through the real CLI handler."""
     import argparse
 
     from wanka.launch.cli import add_launch_parser
@@ -51,7 +52,7 @@ def write_script(tmp: Path, steps: int, every: int, extra: tuple[str, ...] = ())
             f'run.dir="{tmp / "run"}"', f'data.cache_dir="{tmp / "cache"}"',
             f'resilience.ledger="{tmp / "faults.sqlite"}"',
             f'resilience.snapshot_dir="{tmp / "shm"}"', *extra]  # fmt: skip
-    argv = ["launch", "--slurm", "configs/demo.toml", "--nodes", "2", "--nproc", "1",
+    argv = ["launch", "--slurm", "configs/demo.toml", "--nodes", str(nodes), "--nproc", "1",
             "--time", "00:10:00", "--out", str(tmp / "job.sbatch"),
             *sum((["--set", s] for s in sets), [])]  # fmt: skip
     p = argparse.ArgumentParser(prog="wanka")
@@ -71,8 +72,8 @@ def write_script(tmp: Path, steps: int, every: int, extra: tuple[str, ...] = ())
 
 def start(cluster, tmp: Path, script: Path, restart: int = 0,
           private_shm: bool = False) -> subprocess.Popen:  # fmt: skip
-    """bash SCRIPT as the batch shell of job JOB_ID on nodes n0, n1 (SLURM_JOB_NODELIST n[0-1]),
-    `restart` times requeued; `private_shm`: each node's task sees its own /dev/shm."""
+    """bash SCRIPT as the batch shell of job JOB_ID on the cluster's nodes (SLURM_JOB_NODELIST
+    n[0-K]), `restart` times requeued; `private_shm`: each node's task sees its own /dev/shm."""
     bin_dir = tmp / "bin"
     subprocess.run([sys.executable, str(FAKE_SLURM), "install", str(bin_dir)], check=True)
     nodes = cluster.state.nodes
@@ -83,7 +84,7 @@ def start(cluster, tmp: Path, script: Path, restart: int = 0,
         for fake, n in zip(fake_nodes, nodes):
             fake["shm"] = str(shm_of(n))
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=JOB_ID,
-               SLURM_JOB_NODELIST="n[0-1]", FAKE_SLURM_NODES=json.dumps(fake_nodes),
+               SLURM_JOB_NODELIST=f"n[0-{len(nodes) - 1}]", FAKE_SLURM_NODES=json.dumps(fake_nodes),
                FAKE_SLURM_DIR=str(tmp / "slurm"), OMP_NUM_THREADS="1",
                SLURM_RESTART_COUNT=str(restart))  # fmt: skip
     log = open(tmp / "slurm.out", "a")  # noqa: SIM115 - the job's output file, appended

@@ -23,10 +23,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "77.0"):
+def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "77.0",
+             spares: int = 0, evicted: dict | None = None):  # fmt: skip
     rdzv = {"rdzv_endpoint": f"127.0.0.1:{port - 1}", "rdzv_id": rdzv_id, "nnodes": nnodes}
     chaos = SimpleNamespace(inside_ids=lambda: [], note_fired=lambda marks: None)
+    evicted = {} if evicted is None else evicted  # the ledger's evictions, shared by reference
     return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node, chaos=chaos,
+                           rc=SimpleNamespace(spare_nodes=spares),
+                           ledger=SimpleNamespace(evicted=lambda: dict(evicted)),
                            timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
 
 
@@ -105,11 +109,32 @@ def test_each_attempt_meets_at_a_rendezvous_of_its_own(pair):
     assert head.hb_dir(1) != follower.hb_dir(1)  # each host's own folder
 
 
+def test_a_remote_host_gone_is_named_not_the_coordinators_own_reset_ranks(pair, monkeypatch):
+    """The coordinator's ranks died of connection resets because the follower's host went
+    (its agent beats no more). The coordinator's attempt ended first, but conclude() keeps
+    looking at the store until the follower's silence passes the limit: node_lost on n1, not
+    the coordinator's own process_crash."""
+    head, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)
+    for c in (head, follower):
+        c.begin(1)
+    follower.agent.poll_once()  # it beat, then its host went
+    out = Outcome("process_crash", rank=0, node="n0", t_fault=time.time(), t_detect=time.time(),
+                  detail="rank 0 died in forward of step 4, exit 1: Connection reset by peer")  # fmt: skip
+    out.error = "RuntimeError: Connection reset by peer"
+    t0 = time.monotonic()
+    head.conclude(1, out)
+    assert (out.cause, out.node) == ("node_lost", "n1"), out
+    assert out.error is None and time.monotonic() - t0 < 3.0
+    assert head.view.get("verdict")["node"] == "n1"
+
+
 def test_a_fault_seen_first_by_the_coordinator_stops_the_followers(pair, monkeypatch):
     """The coordinator's own rank died: its agent ended the attempt before the store named
     anything. conclude() writes the verdict and the stop; the follower's agent carries it out
     (kills its ranks), its watch reports the same fault, and it waits for what follows."""
     head, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 1.0)  # conclude() looks this long for more
     killed = []
     monkeypatch.setattr(follower, "_kill_local", lambda _pgid, sig: killed.append(sig))
     for c in (head, follower):
@@ -117,11 +142,11 @@ def test_a_fault_seen_first_by_the_coordinator_stops_the_followers(pair, monkeyp
     follower.agent.kill = follower._kill_local
     out = Outcome("process_crash", rank=0, detail="rank 0 died in forward of step 4",
                   t_fault=time.time(), t_detect=time.time(), node="n0")  # fmt: skip
-    head.conclude(1, out)
     seen = Outcome("success")
     stop = threading.Event()
     t = threading.Thread(target=follower.watch, args=(None, 1, seen, stop))
-    t.start()
+    t.start()  # the follower's host is up: its agent beats
+    head.conclude(1, out)
     deadline = time.monotonic() + 10
     while (not killed or seen.cause == "success") and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -336,7 +361,12 @@ def test_an_attempt_that_ended_before_forming_is_not_joined(pair):
     head.begin(3)
     out = Outcome("node_lost", node="n1", detail="agent silent", t_fault=1.0, t_detect=2.0)
     head._stop_all(3, out, "node n1: node_lost")
-    assert head.root.get("current") == {"attempt": 3, "formed": False, "over": True}
+    assert head.root.get("current") == {
+        "attempt": 3,
+        "formed": False,
+        "over": True,
+        "members": None,
+    }
     head.announce(3, "restart", message="node n1: node_lost (agent silent)")
     assert follower.join() == (4, None)
 

@@ -30,6 +30,9 @@ class Job:
     name: str  # scheduler-side job name (DNS-1035 label: valid for Slurm and Kubernetes)
     evicted: dict[str, str] = field(default_factory=dict)  # node -> reason, from the ledger
     ledger: str | None = None  # where `evicted` came from (None: not read)
+    # resilience.control = "store": the hosts' supervisors decide together, the job outlives
+    # a host (hot spares, eviction inside the job; resilience/host_members.py)
+    store_control: bool = False
 
     def train_args(self) -> list[str]:
         """`wanka train`'s own arguments, up to (not including) the rendezvous flags."""
@@ -52,6 +55,14 @@ def check_job(config: str, sets: list[str], nodes: int, nproc: int,
         raise ValueError(f"--nproc must be 1 or more (got {nproc}): ranks per node")
     cfg = load_config(config, sets)
     from wanka.distributed.parallel_dims import ParallelDims, ParallelError
+
+    r = cfg.resilience
+    if r.control == "store" and r.spare_nodes and nodes > 1:  # hot spares: N - S hosts train
+        if r.spare_nodes >= nodes:
+            raise ValueError(f"resilience.spare_nodes={r.spare_nodes} leaves no node to train on "
+                             f"with --nodes {nodes}; allocate more nodes or fewer spares")  # fmt: skip
+        nodes -= r.spare_nodes
+        node_counts = tuple(n - r.spare_nodes for n in node_counts if n > r.spare_nodes)
 
     for n in sorted({nodes, *node_counts}):
         try:

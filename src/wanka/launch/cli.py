@@ -37,7 +37,7 @@ def _job(a: argparse.Namespace, config: str, node_counts: tuple[int, ...] = ()) 
     ledger = a.ledger if a.ledger is not None else cfg.resilience.ledger
     return Job(config=config, sets=list(a.set), nodes=a.nodes, nproc=nproc, run_dir=cfg.run.dir,
                name=job_name(cfg.run.dir, a.name), evicted=evicted_nodes(ledger),
-               ledger=ledger)  # fmt: skip
+               ledger=ledger, store_control=cfg.resilience.control == "store")  # fmt: skip
 
 
 def _write(text: str, out: str | None) -> None:

@@ -106,6 +106,10 @@ def _directives(job: Job, res: SlurmResources, chdir: str) -> list[str]:
         "# A requeued run appends to the job's output file instead of truncating it.",
         "#SBATCH --open-mode=append",
     ]
+    if job.store_control:
+        out += ["# The job outlives a failed node (not the first: the batch script runs there):",
+                "# the coordinator puts a hot spare in its place or goes on without it.",
+                "#SBATCH --no-kill"]  # fmt: skip
     if job.evicted:
         reasons = "; ".join(f"{n}: {r}" for n, r in sorted(job.evicted.items()))
         out.append(f"# Evicted in the fault ledger {job.ledger} ({reasons})".replace("\n", " "))
@@ -125,6 +129,22 @@ def render(job: Job, res: SlurmResources, wanka: list[str], chdir: str, how: str
     q = shlex.quote
     train = " ".join(q(a) for a in [*wanka, *job.train_args()])
     port = res.rdzv_port
+    if job.store_control:
+        step_policy = "--no-kill --kill-on-bad-exit=0"
+        step_comment = (
+            "# --no-kill: a node that fails or a task that ends does not end the step: the\n"
+            "# coordinator decides (a hot spare takes the node's place, or the job goes on without\n"
+            "# it) and ends every host's task itself. --kill-on-bad-exit=0, explicitly (a site\n"
+            "# may default it on).\n"
+        )
+    else:
+        step_policy = f"--wait={STEP_WAIT_S} --kill-on-bad-exit=0"
+        step_comment = (
+            f"# --wait: once one node's `wanka train` has ended, the others get {STEP_WAIT_S} s to end\n"
+            "# too (all end within seconds of each other after a last gasp; the peers of a failed\n"
+            "# node are stopped then). --kill-on-bad-exit=0, explicitly (a site may default it on):\n"
+            "# the first node to exit 75 would get its peers killed in the middle of their own exit.\n"
+        )
     head = [
         "#!/bin/bash",
         f"# {job.nodes} node(s) x {job.nproc} rank(s) of `wanka train`.",
@@ -159,11 +179,7 @@ trap 'request_stop preempted' TERM
 # WANKA_NODE: the fault ledger names nodes as Slurm does, so `--exclude` can use them later.
 # The rendezvous id changes with each requeue: a run never mistakes the run-directory lock of
 # an earlier run of this job (killed before it could release it) for a peer's.
-# --wait: once one node's `wanka train` has ended, the others get {STEP_WAIT_S} s to end too (all
-# end within seconds of each other after a last gasp; the peers of a failed node are stopped
-# then). --kill-on-bad-exit=0, explicitly (a site may default it on): the first node to exit 75
-# would get its peers killed in the middle of their own exit.
-srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 --wait={STEP_WAIT_S} --kill-on-bad-exit=0 \\
+{step_comment}srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 {step_policy} \\
   bash -c 'export WANKA_NODE="$SLURMD_NODENAME"; exec "$@"' wanka-task \\
   {train} \\
   --nnodes {job.nodes} --rdzv-backend c10d --rdzv-endpoint "$head:{port}" \\

@@ -16,6 +16,10 @@ each would see a remote rank's death as a local hang in a collective and decide 
   ("rank 1 on node n1: process_crash"), writes it as the attempt's verdict, and decides:
   stop, then restart (attempt N+1, after the back-off) or end (with the job's exit code). The
   others follow: they never decide on their own, and start attempt N+1 when told.
+* With resilience.spare_nodes = S, N - S hosts train and the others stand by as hot spares;
+  after a fault the coordinator plans the next attempt's hosts (resilience/host_members.py): a
+  spare takes a lost or evicted host's place, or the job goes on with fewer hosts. A host not
+  in an attempt (a spare, an evicted host) keeps its supervisor running and waits for the next.
 * A host that cannot reach the store for AGENT_TIMEOUT_S (the coordinator's host died or is
   cut off) stops its ranks and ends with exit 1: nobody is left to decide, and Slurm requeues
   the job (a node failure) or the user resubmits; it resumes from the newest DCP checkpoint.
@@ -37,6 +41,7 @@ from pathlib import Path
 from wanka.control.agent import NodeAgent
 from wanka.control.coordinator import Coordinator
 from wanka.control.store import ControlStore
+from wanka.resilience.host_members import live_hosts, plan_members, suspect_of
 from wanka.resilience.host_setup import (
     CONTROL_ENDPOINT_ENV,
     CONTROL_PORT_ENV,
@@ -51,6 +56,7 @@ log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
+FIRST_PLAN_S = 600.0  # for enough hosts to reach the store (torchrun's rendezvous join time-out)
 
 
 class HostControl:
@@ -64,6 +70,16 @@ class HostControl:
                              "job's name on every host, e.g. $SLURM_JOB_ID)")  # fmt: skip
         self.host, self.port = control_address(sup.rdzv)
         self.coordinating = is_coordinator(self.host)
+        self.spares = max(int(sup.rc.spare_nodes), 0)
+        self.width = sup.nnodes - self.spares  # hosts that train at once
+        if self.width < 1:
+            raise ValueError(f"resilience.spare_nodes={self.spares} leaves no host to train on: "
+                             f"the job has {sup.nnodes} host(s) (--nnodes); set it below that")  # fmt: skip
+        # attempt -> its hosts, as the coordinator planned them; an attempt without a plan
+        # (the first, without spares) trains on every host.
+        self.plans: dict[int, list[str]] = {}
+        self.gone: set[str] = set()  # hosts found not beating between attempts
+        self.evicted_now: set[str] = set()  # hosts of this job evicted (the coordinator's word)
         self.world = sup.nproc * sup.nnodes
         self.attempt = 0
         self.view: ControlStore | None = None  # this attempt's keys
@@ -75,6 +91,7 @@ class HostControl:
         self._before: set[int] = set()  # children of ours from before the attempt's ranks
         self._inflight: threading.Thread | None = None  # the store call under way, if any
         self._formed = False  # the coordinator said every host is in this attempt
+        self._waited = 0  # the last attempt whose "next" this follower read
         try:
             if self.coordinating:
                 self.server = ControlStore.serve("0.0.0.0", self.port, self.rdzv_id)
@@ -84,6 +101,10 @@ class HostControl:
             raise ValueError(f"resilience.control = store: {e} (the port: {CONTROL_PORT_ENV} "
                              f"or {CONTROL_ENDPOINT_ENV})") from None  # fmt: skip
         self.root = ControlStore(self.server.store, self.host, self.port, self.rdzv_id)
+        try:  # the job's hosts, spares included: the coordinator plans attempts from them
+            self._answered(lambda: (self.root.register_node(sup.node), self._beat()))
+        except ConnectionError as e:
+            raise ValueError(f"resilience.control = store: {e}") from None
 
     def _attempt_view(self, attempt: int) -> ControlStore:
         return ControlStore(self.server.store, self.host, self.port, f"{self.rdzv_id}/a{attempt}")
@@ -98,7 +119,9 @@ class HostControl:
         first = self._attempt_view(1)
         while True:
             try:
-                cur, nxt = self._answered(lambda: (self.root.get("current"), first.get("next")))
+                cur, nxt = self._answered(
+                    lambda: (self._beat(), self.root.get("current"), first.get("next"))[1:]
+                )
             except ConnectionError as e:
                 if time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
                     self.orphaned = True
@@ -111,6 +134,8 @@ class HostControl:
                 return 0, nxt
             time.sleep(AGENT_POLL_S)
         at = int(cur["attempt"])
+        if cur.get("members"):
+            self.plans[at] = list(cur["members"])
         if not cur.get("formed") and not cur.get("over"):  # still forming: this one is ours
             return at, None
         log.warning("attempt %d of the job is under way without this host: joining the next",
@@ -123,8 +148,65 @@ class HostControl:
         return self.hb_root / f"attempt{attempt}"
 
     def rdzv(self, attempt: int) -> dict:
-        """torchrun's rendezvous flags for `attempt`: a rendezvous of its own."""
-        return {**self.sup.rdzv, "rdzv_id": f"{self.rdzv_id}.a{attempt}"}
+        """torchrun's rendezvous flags for `attempt`: a rendezvous of its own, of its hosts."""
+        flags = {**self.sup.rdzv, "rdzv_id": f"{self.rdzv_id}.a{attempt}"}
+        if attempt in self.plans:
+            flags["nnodes"] = str(len(self.plans[attempt]))
+        return flags
+
+    # -- which hosts train (resilience/host_members.py) --------------------------------------
+    def _beat(self) -> None:
+        """This host's supervisor is alive (between attempts, and as a spare)."""
+        self.root.beat_agent(self.sup.node, AGENT_POLL_S)
+
+    def sits_out(self, attempt: int) -> bool:
+        """This host is not one of `attempt`'s (a hot spare, or evicted)."""
+        plan = self.plans.get(attempt)
+        return plan is not None and self.sup.node not in plan
+
+    def nnodes(self, attempt: int) -> int:
+        """How many hosts `attempt` trains on (planned, or as it will be planned)."""
+        plan = self.plans.get(attempt)
+        return len(plan) if plan is not None else self.width
+
+    def others(self, node: str) -> list[str]:
+        """The hosts of the job that could train instead of `node` (not evicted, not gone)."""
+        evicted = set(self.sup.ledger.evicted())
+        hosts = self._answered(self.root.nodes)
+        return [h for h in hosts if h != node and h not in evicted and h not in self.gone]
+
+    def plan(self, attempt: int, cause: str | None = None, node: str | None = None) -> list[str]:
+        """The coordinator: the hosts of `attempt`, after a fault of `cause` on `node` (none
+        before the first). Waits for the others' beats (they may still be stopping their
+        ranks); before the first attempt, for `width` hosts to reach the store."""
+        evicted = set(self.sup.ledger.evicted())
+        prev = self.plans.get(attempt - 1) or []
+        waited_s, deadline = 0.0, time.monotonic() + FIRST_PLAN_S
+        while True:
+            hosts = self._answered(self.root.nodes)
+            if not prev and attempt > 1:  # the attempt before trained on every host
+                prev = self.plans[attempt - 1] = list(hosts)
+            window = AGENT_TIMEOUT_S if prev else 1.0
+            lost = {node} if cause == "node_lost" and node else set()
+            live = live_hosts(lambda: self._answered(self.root.read_agents), hosts,
+                              {self.sup.node}, window, AGENT_POLL_S, lost)  # fmt: skip
+            if prev or len(live - evicted) >= self.width:
+                break
+            if time.monotonic() > deadline:
+                raise ValueError(f"only {len(live - evicted)} of the {self.width} hosts this job "
+                                 f"trains on reached the control store within {FIRST_PLAN_S:.0f} s "
+                                 f"(live: {', '.join(sorted(live))}); are the other hosts' "
+                                 "tasks running, and is resilience.spare_nodes right?")  # fmt: skip
+            if time.monotonic() - waited_s > 30:
+                waited_s = time.monotonic()
+                log.warning("waiting for hosts: %d of %d reached the control store",
+                            len(live - evicted), self.width)  # fmt: skip
+        self.gone = set(hosts) - live
+        self.evicted_now = evicted & set(hosts)
+        suspect = suspect_of(cause, node) if cause else None
+        members = plan_members(hosts, live, evicted, prev, self.width, suspect, self.sup.node)
+        self.plans[attempt] = members
+        return members
 
     def begin(self, attempt: int, _nodes=(), _spares=()) -> None:
         """Before `attempt` starts here. A store that does not answer leaves `orphaned` set
@@ -137,6 +219,10 @@ class HostControl:
         self._before = set(children())
         self.orphaned, self._formed = False, False
         try:
+            if self.coordinating and attempt not in self.plans and self.spares:
+                self.plan(attempt)  # the first attempt: which hosts train, which stand by
+            hosts = self.plans.get(attempt)
+            self.world = self.sup.nproc * (len(hosts) if hosts else self.sup.nnodes)
             self.agent = self._answered(
                 lambda: NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
                                   pgid=0, kill=self._kill_local, attempt=attempt,
@@ -145,7 +231,8 @@ class HostControl:
                 self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
                                                AGENT_TIMEOUT_S, attempt=attempt,
                                                home=self.sup.node)  # fmt: skip
-                self.root.put("current", {"attempt": attempt, "formed": False})
+                self.root.put("current", {"attempt": attempt, "formed": False,
+                                          "members": self.plans.get(attempt)})  # fmt: skip
         except ConnectionError as e:
             log.error("control store: %s", e)
             self.orphaned = True
@@ -208,8 +295,9 @@ class HostControl:
                     return
                 continue
             try:
-                # publishes; a stop decision kills our ranks
-                over = self._answered(functools.partial(self._poll, attempt, out, now, last))
+                # publishes; a stop decision kills our ranks. Never a last look that names a
+                # death without waiting for the other hosts' beats: conclude() settles it.
+                over = self._answered(functools.partial(self._poll, attempt, out, now, False))
                 failing = False
             except ConnectionError as e:
                 if not failing:
@@ -222,6 +310,22 @@ class HostControl:
                 log.error("monitor poll failed: %s", e)
             if last:
                 return
+
+    def _settle(self, attempt: int, out) -> bool:
+        """The coordinator's own attempt failed before the store named a fault. A remote host
+        that went down takes our ranks with it (reset connections) before its silence passes
+        the limit: keep looking as during the attempt (a death is named only once the other
+        hosts' agents have beaten since) until the store names the fault, or the agents' limit
+        has passed. True when it named one (now in `out`)."""
+        deadline = time.monotonic() + AGENT_TIMEOUT_S + 1.0
+        while not self.orphaned and time.monotonic() < deadline:
+            try:
+                if self._answered(functools.partial(self._poll, attempt, out, time.time(), False)):
+                    return True
+            except ConnectionError as e:
+                log.error("control store: %s", e)
+            time.sleep(AGENT_POLL_S)
+        return False
 
     def _poll(self, attempt: int, out, now: float, final: bool) -> bool:
         """One look; True once the attempt is over (a verdict). Runs under _answered's
@@ -252,9 +356,14 @@ class HostControl:
             out.said = f"node {left['node']}: {left['message']}"
             self._stop_all(attempt, out, f"node {left['node']}: {left['message']}")
             return True
-        if not self._formed and steps and len(self.view.nodes()) >= self.sup.nnodes:
+        hosts = self.plans.get(attempt)
+        if (
+            not self._formed
+            and steps
+            and len(self.view.nodes()) >= len(hosts or range(self.sup.nnodes))
+        ):
             self._formed = True  # every host is in: a host starting now joins the next one
-            self.root.put("current", {"attempt": attempt, "formed": True})
+            self.root.put("current", {"attempt": attempt, "formed": True, "members": hosts})
         fault = self.coordinator.check(now, final=final)
         if fault is None:
             return False
@@ -268,7 +377,8 @@ class HostControl:
         decision too."""
         self.coordinator.decide_stop(attempt, reason)
         self.view.put("verdict", _verdict(out, self.sup.node))
-        self.root.put("current", {"attempt": attempt, "formed": self._formed, "over": True})
+        self.root.put("current", {"attempt": attempt, "formed": self._formed, "over": True,
+                                  "members": self.plans.get(attempt)})  # fmt: skip
 
     def _orphaned(self, out, now: float) -> None:
         self.orphaned = True
@@ -290,6 +400,11 @@ class HostControl:
             return
         try:
             if self.view.get("verdict") is None:
+                seen = (out.cause, out.rank, out.node)
+                if self._settle(attempt, out):  # named from the store: not what we saw
+                    if (out.cause, out.rank, out.node) != seen:
+                        out.error = out.said = None
+                    return
                 self._stop_all(attempt, out, f"{out.cause}: {out.detail}")
         except ConnectionError as e:
             log.error("control store: %s", e)
@@ -341,7 +456,9 @@ class HostControl:
         `message`: the fault it restarts after, or why the job ends."""
         if not self.coordinating:
             return
-        value = {"action": action, "rc": rc, "message": message, "t": time.time()}
+        value = {"action": action, "rc": rc, "message": message, "t": time.time(),
+                 "members": self.plans.get(attempt + 1) if action == "restart" else None,
+                 "evicted": sorted(self.evicted_now)}  # fmt: skip
         try:
             self._attempt_view(attempt).put("next", value)
         except ConnectionError as e:
@@ -362,6 +479,7 @@ class HostControl:
             # (process_crash) from it, and would take our silence for a lost host.
             if attempt == self.attempt and self.agent is not None:
                 self.agent.poll_once()
+            self._beat()  # the coordinator plans the next attempt from the hosts that beat
             return view.get("next")
 
         while not self.orphaned:
@@ -371,6 +489,10 @@ class HostControl:
             try:
                 nxt = self._answered(look)
                 if nxt is not None:
+                    self._waited = attempt
+                    if nxt.get("members"):
+                        self.plans[attempt + 1] = list(nxt["members"])
+                    self.evicted_now = set(nxt.get("evicted") or ())
                     return nxt
             except ConnectionError:
                 if time.monotonic() - self._last_ok > AGENT_TIMEOUT_S:
@@ -387,9 +509,10 @@ class HostControl:
             # Followers read the last "next" after we are done with it: wait for each (a
             # moment), so our store does not go before they have read the job's end.
             self._wait_followers_read()
-        elif not self.orphaned and self.attempt:  # whatever way we end: the store may go
+        elif not self.orphaned and (self.attempt or self._waited):  # the store may go now
+            view = self._attempt_view(max(self.attempt, self._waited))
             try:
-                self._answered(lambda: self.view.put(f"read/{self.sup.node}", {"t": time.time()}))
+                self._answered(lambda: view.put(f"read/{self.sup.node}", {"t": time.time()}))
             except ConnectionError:
                 pass
 
@@ -398,8 +521,8 @@ class HostControl:
             time.sleep(10 * AGENT_POLL_S)
             return
         deadline = time.monotonic() + timeout_s
-        try:
-            nodes = [n for n in self.view.nodes() if n != self.sup.node]
+        try:  # every host that may be waiting on our word (spares too), not those gone
+            nodes = [n for n in self.root.nodes() if n != self.sup.node and n not in self.gone]
             while time.monotonic() < deadline:
                 if all(self.view.get(f"read/{n}") is not None for n in nodes):
                     return

@@ -591,6 +591,11 @@ class Supervisor:
                 rc = EXIT_PREEMPTED
                 break
             attempt += 1
+            if self.follows and self.control.sits_out(attempt):  # a spare, or evicted
+                rc = self._stand_by(attempt)
+                if rc is None:
+                    continue
+                break
             self.attempt = self.timeline.attempt = attempt
             out = self._attempt(attempt)
             self.outcomes.append(out)
@@ -661,6 +666,8 @@ class Supervisor:
             print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             self._preempt.wait(delay)  # a stop request ends the back-off at once
+            if self._hosts():  # which hosts train next: a spare in a lost or evicted host's place
+                self._plan_hosts(attempt + 1, out)
             if self.rc.preflight != "off" and self._preflight(live=False):
                 rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
                 break
@@ -680,6 +687,30 @@ class Supervisor:
         if self.draws_loss_curve and _file_id(self.run_dir / "summary.json") != summary_before:
             self._draw_loss_curve()
         return rc
+
+    def _stand_by(self, attempt: int) -> int | None:
+        """A follower not among `attempt`'s hosts waits for the coordinator's next word: None
+        to go on to the next attempt, or the job's exit code."""
+        plan = self.control.plans[attempt]
+        why = "evicted" if self.node in self.control.evicted_now else "a hot spare"
+        print(f"{self.says} node {self.node} stands by ({why}) while attempt {attempt} trains on "
+              f"{', '.join(plan)}", file=sys.stderr, flush=True)  # fmt: skip
+        nxt = self.control.wait_next(attempt, self._preempt)
+        if nxt["action"] == "restart":
+            return None
+        return self._follower_end(nxt)
+
+    def _plan_hosts(self, attempt: int, out: Outcome) -> None:
+        """The coordinator: the hosts of the next attempt, said when they change."""
+        after = self.control.plan(attempt, out.cause, out.node)
+        before = self.control.plans.get(attempt - 1)
+        if before is not None and after != before:
+            gone = [h for h in before if h not in after]
+            new = [h for h in after if h not in before]
+            how = (f"{', '.join(new)} takes the place of {', '.join(gone)}" if new and gone else
+                   f"continuing without {', '.join(gone)}" if gone else f"adding {', '.join(new)}")  # fmt: skip
+            print(f"{self.says} next attempt on {', '.join(after)}: {how}", file=sys.stderr,
+                  flush=True)  # fmt: skip
 
     def _announce_end(self, rc: int) -> None:
         """The coordinator tells the others the job ended (once; also after an exception)."""
@@ -743,22 +774,35 @@ class Supervisor:
         reason = self.ledger.evaluate(node, self.policy)
         if not reason:
             return False
-        left = [n for n in self.active_nodes() if n.name != node] if self.cluster else []
-        if left and not self._fits(min(len(left), self.width)):
+        width = self.width if self.cluster else self.control.width if self._hosts() else 1
+        if self.cluster:
+            left = [n for n in self.active_nodes() if n.name != node]
+        elif self._hosts() and node != self.node:  # the coordinator's own host stays: it
+            left = self.control.others(node)  # hosts torchrun's rendezvous store
+        else:
+            left = []
+        if left and not self._fits(min(len(left), width)):
             print(f"{self.says} node {node} meets the eviction policy ({reason}) but "
-                  f"{min(len(left), self.width)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
+                  f"{min(len(left), width)} node(s) cannot hold parallel.dp_shard={self.cfg.parallel.dp_shard} "
                   f"x cp={self.cfg.parallel.cp} with ep={self.cfg.parallel.ep}: kept", file=sys.stderr)  # fmt: skip
         elif left:
             self.ledger.evict(node, reason)
-            left = ", ".join(n.name for n in self.attempt_nodes())
+            left = (
+                ", ".join(n.name for n in self.attempt_nodes())
+                if self.cluster
+                else "the other hosts (a hot spare in its place, if one stands by)"
+            )
             print(f"{self.says} evicting node {node} ({reason}); continuing on {left}",
                   file=sys.stderr, flush=True)  # fmt: skip
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
             return True
         elif node not in self._warned:
             self._warned.add(node)
-            print(f"{self.says} node {node} meets the eviction policy ({reason}) but no other "
-                  "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
+            why = ("it coordinates the job (the control and rendezvous stores run on it): kept "
+                   "for this job; `wanka launch` excludes it from the next submission"
+                   if self._hosts() and node == self.node else "no other node is left: kept")  # fmt: skip
+            print(f"{self.says} node {node} meets the eviction policy ({reason}) but {why}; see "
+                  "`wanka nodes`", file=sys.stderr)  # fmt: skip
         return False
 
     def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
@@ -774,7 +818,8 @@ class Supervisor:
     def _preflight(self, live: bool) -> int:
         from wanka.resilience.preflight import preflight
 
-        nnodes = len(self.attempt_nodes()) if self.cluster is not None else self.nnodes
+        nnodes = (len(self.attempt_nodes()) if self.cluster is not None else
+                  self.control.nnodes(self.attempt + 1) if self._hosts() else self.nnodes)  # fmt: skip
         t0 = time.time()
         report = preflight(self.cfg, self.nproc, nnodes=nnodes, live=live, rdzv=self.rdzv)
         self.timeline.event("preflight", t0, time.time(), ok=report.ok)
