@@ -48,7 +48,7 @@ def _faults_and_resumes(run):
     faults = [(e["cause"], e["node"]) for e in events if e.get("kind") == "fault"]
     evicts = [e["node"] for e in events if e.get("kind") == "evict"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    resumes = [r["source"] for r in rows if r.get("kind") == "resume"]
+    resumes = [(r["source"], r["step"]) for r in rows if r.get("kind") == "resume"]
     return faults, evicts, resumes
 
 
@@ -68,12 +68,18 @@ def test_a_hot_spare_takes_an_evicted_hosts_place_and_the_job_finishes(cluster, 
     assert "node n2 stands by (a hot spare) while attempt 1 trains on n0, n1" in out, out[-4000:]
     assert "on node n1: process_crash" in out, out[-4000:]
     assert "evicting node n1" in out, out[-4000:]
-    assert "next attempt on n0, n2: n2 takes the place of n1" in out, out[-4000:]
     assert "node n1 stands by (evicted) while attempt 2 trains on n0, n2" in out, out[-4000:]
     run = tmp_path / "run"
     faults, evicts, resumes = _faults_and_resumes(run)
     assert faults == [("process_crash", "n1")] and evicts == ["n1"]
-    assert resumes == ["memory"], resumes  # the same world: from the snapshots, not the disk
+    # The same world: from the snapshots, not the disk, at the step the coordinator foresaw
+    # from the hosts' snapshot inventories in the store.
+    [(source, step)] = resumes
+    assert source == "memory", resumes
+    assert (
+        "next attempt on n0, n2: n2 takes the place of n1; the ranks resume from the "
+        f"in-memory snapshots of step {step}"
+    ) in out, out[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
     for i in range(3):  # every task ended 0: the evicted host and the spare too
@@ -91,12 +97,14 @@ def test_without_a_spare_the_job_goes_on_without_the_evicted_host(cluster, tmp_p
     rc = finish(p, tmp_path)
     out = (tmp_path / "slurm.out").read_text()
     assert rc == 0, out[-4000:]
-    assert "next attempt on n0, n1: continuing without n2" in out, out[-4000:]
+    assert (
+        "next attempt on n0, n1: continuing without n2; the ranks resume from the newest checkpoint"
+    ) in out, out[-4000:]
     assert "node n2 stands by (evicted) while attempt 2 trains on n0, n1" in out, out[-4000:]
     run = tmp_path / "run"
     faults, evicts, resumes = _faults_and_resumes(run)
     assert faults == [("process_crash", "n2")] and evicts == ["n2"]
-    assert resumes == ["disk"], resumes
+    assert [source for source, _ in resumes] == ["disk"], resumes
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
 
@@ -129,11 +137,15 @@ def test_a_killed_host_is_replaced_by_the_spare_within_the_job(cluster, tmp_path
     out = (tmp_path / "slurm.out").read_text()
     assert rc == 128 + signal.SIGKILL, out[-4000:]
     assert "node n1: node_lost" in out, out[-4000:]
-    assert "next attempt on n0, n2: n2 takes the place of n1" in out, out[-4000:]
     assert "n1: task 1: SIGKILL" in out and "task 0: Exited" not in out, out[-4000:]
     assert "task 2: Exited" not in out, out[-4000:]
     faults, evicts, resumes = _faults_and_resumes(run)
     assert faults == [("node_lost", "n1")] and evicts == []
-    assert resumes == ["memory"], resumes
+    [(source, step)] = resumes
+    assert source == "memory", resumes  # n1's ranks' copies were kept by their buddies
+    assert (
+        "next attempt on n0, n2: n2 takes the place of n1; the ranks resume from the "
+        f"in-memory snapshots of step {step}"
+    ) in out, out[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2

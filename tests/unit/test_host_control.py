@@ -29,7 +29,8 @@ def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "7
     chaos = SimpleNamespace(inside_ids=lambda: [], note_fired=lambda marks: None)
     evicted = {} if evicted is None else evicted  # the ledger's evictions, shared by reference
     return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node, chaos=chaos,
-                           rc=SimpleNamespace(spare_nodes=spares),
+                           rc=SimpleNamespace(spare_nodes=spares, snapshot_dir=str(tmp / "snap")),
+                           job="job",
                            ledger=SimpleNamespace(evicted=lambda: dict(evicted)),
                            timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
 

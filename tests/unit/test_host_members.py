@@ -5,6 +5,7 @@ against a real TCPStore in this process."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,12 +105,19 @@ def test_a_spare_stands_by_then_replaces_a_lost_host(trio):
     assert n1.world == 2
 
     # n1's host goes (it beats no more); n2, the spare, waits for the next word, beating.
+    # n0's memory holds rank 0's snapshots and n1's rank's copy: published after the attempt.
+    _commit(head.snap_dir, "rank0", 5, 0, "w2-x")
+    _commit(head.snap_dir, "replica-rank1", 5, 0, "w2-x")
+    head.conclude(1, SimpleNamespace(cause="success"))  # publishes only after a fault ...
+    assert head.root.get("snapshots/n0") is None
+    head.publish_snapshots()  # ... as conclude() does then
     w2, nxt2 = _in_thread(lambda: n2.wait_next(1))
     assert head.plan(2, "node_lost", "n1") == ["n0", "n2"]
-    assert head.gone == {"n1"}
+    assert head.gone == {"n1"} and head.snapshot_step[2] == 5
     head.announce(1, "restart", message="node n1: node_lost")
     w2.join(10)
     assert nxt2["v"]["action"] == "restart" and not n2.sits_out(2)
+    assert nxt2["v"]["snapshot_step"] == 5
     assert n2.rdzv(2)["nnodes"] == "2" and n2.rdzv(2)["rdzv_id"] == "77.0.a2"
 
 
@@ -135,3 +143,42 @@ def test_too_few_hosts_for_the_first_attempt_is_one_line(trio, monkeypatch):
     monkeypatch.setattr(hc, "FIRST_PLAN_S", 0.5)
     with pytest.raises(ValueError, match=r"only 1 of the 2 hosts this job trains on reached"):
         head.plan(1)  # nobody else beats
+
+
+def _commit(d, owner_dir: str, step: int, slot: int, sig: str, whole: bool = True) -> None:
+    import pickle
+
+    from wanka.resilience.snapshot import _meta_name
+
+    f = d / owner_dir
+    f.mkdir(parents=True, exist_ok=True)
+    (f / _meta_name(step, slot, sig)).write_bytes(pickle.dumps({"size": 8}))
+    (f / f"slot{slot}.{sig}.bin").write_bytes(b"x" * (8 if whole else 3))
+
+
+def test_snapshot_inventory_and_the_step_every_rank_can_resume_from(tmp_path):
+    """What each host's memory holds, by name, and the newest step every rank of the next
+    world can get somewhere among the next attempt's hosts (SnapshotStore.restore's rule)."""
+    from wanka.resilience.snapshot import inventory, restorable
+
+    n0, n1, n2 = tmp_path / "n0", tmp_path / "n1", tmp_path / "n2"
+    _commit(n0, "rank0", 10, 0, "w2-abc")
+    _commit(n0, "rank0", 12, 1, "w2-abc")
+    _commit(n0, "replica-rank1", 10, 0, "w2-abc")
+    _commit(n0, "replica-rank1", 12, 1, "w2-abc", whole=False)  # its copy was cut short
+    _commit(n1, "rank1", 12, 1, "w2-abc")
+    _commit(n1, "rank1", 10, 0, "w2-abc")
+    _commit(n2, "rank0", 4, 0, "w3-abc")  # another world size: not for a 2-rank job
+    assert inventory(n0) == {"w2-abc": {0: [10, 12], 1: [10]}}
+    assert inventory(tmp_path / "missing") == {}
+    inv = {n.name: inventory(n) for n in (n0, n1, n2)}
+    # n1 lost: rank 1 only as n0's replica, whole at step 10 only.
+    assert restorable([inv["n0"], inv["n2"]], 2) == 10
+    assert restorable([inv["n0"], inv["n1"]], 2) == 12
+    assert restorable([inv["n2"]], 2) is None and restorable([inv["n2"]], 3) is None
+    # Through the store (JSON): owners come back as strings.
+    import json
+
+    assert (
+        restorable([json.loads(json.dumps(inv["n0"])), json.loads(json.dumps(inv["n1"]))], 2) == 12
+    )

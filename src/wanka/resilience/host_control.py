@@ -51,6 +51,7 @@ from wanka.resilience.host_setup import (
     local_hb_root,
     safe_name,
 )
+from wanka.resilience.snapshot import inventory, restorable
 
 log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
@@ -80,6 +81,10 @@ class HostControl:
         self.plans: dict[int, list[str]] = {}
         self.gone: set[str] = set()  # hosts found not beating between attempts
         self.evicted_now: set[str] = set()  # hosts of this job evicted (the coordinator's word)
+        # attempt -> the step of the in-memory snapshots its ranks can resume from (None: the
+        # newest DCP checkpoint), from the snapshot inventories the hosts publish
+        self.snapshot_step: dict[int, int | None] = {}
+        self.snap_dir = Path(sup.rc.snapshot_dir) / sup.job / sup.node
         self.world = sup.nproc * sup.nnodes
         self.attempt = 0
         self.view: ControlStore | None = None  # this attempt's keys
@@ -206,7 +211,20 @@ class HostControl:
         suspect = suspect_of(cause, node) if cause else None
         members = plan_members(hosts, live, evicted, prev, self.width, suspect, self.sup.node)
         self.plans[attempt] = members
+        if attempt > 1:  # where its ranks resume from, as the hosts' snapshot inventories say
+            held = [self._answered(lambda h=h: self.root.get(f"snapshots/{h}")) for h in members]
+            self.snapshot_step[attempt] = restorable([h or {} for h in held],
+                                                     self.sup.nproc * len(members))  # fmt: skip
         return members
+
+    def publish_snapshots(self) -> None:
+        """What this host's memory holds of the job's snapshots (names only), for the
+        coordinator's plan of the next attempt."""
+        try:
+            held = inventory(self.snap_dir)
+            self._answered(lambda: self.root.put(f"snapshots/{self.sup.node}", held))
+        except (ConnectionError, OSError) as e:
+            log.error("control store: snapshot inventory not published: %s", e)
 
     def begin(self, attempt: int, _nodes=(), _spares=()) -> None:
         """Before `attempt` starts here. A store that does not answer leaves `orphaned` set
@@ -395,7 +413,10 @@ class HostControl:
     def conclude(self, attempt: int, out) -> None:
         """After `attempt` ended here. The coordinator makes sure the others stop too when it
         ended on a fault seen here first (its own rank died: the agent ended the attempt before
-        the store named it): the verdict is its own, the stop decision follows."""
+        the store named it): the verdict is its own, the stop decision follows. Every host
+        publishes its snapshot inventory for the next attempt's plan."""
+        if out.cause != "success":
+            self.publish_snapshots()
         if not self.coordinating or out.cause in ("success", "preempted"):
             return
         try:
@@ -458,7 +479,8 @@ class HostControl:
             return
         value = {"action": action, "rc": rc, "message": message, "t": time.time(),
                  "members": self.plans.get(attempt + 1) if action == "restart" else None,
-                 "evicted": sorted(self.evicted_now)}  # fmt: skip
+                 "evicted": sorted(self.evicted_now),
+                 "snapshot_step": self.snapshot_step.get(attempt + 1)}  # fmt: skip
         try:
             self._attempt_view(attempt).put("next", value)
         except ConnectionError as e:

@@ -477,3 +477,43 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def drop_node(root: Path, job: str, node: str) -> None:
     """What losing a node does to its memory (used by the chaos drills)."""
     shutil.rmtree(Path(root) / job / node, ignore_errors=True)
+
+
+def inventory(node_dir: Path) -> dict[str, dict[int, list[int]]]:
+    """What a node's memory holds, by name only (nothing is read but the commit records):
+    signature -> owner rank -> committed steps, own folders and replicas alike. A node agent
+    publishes it (resilience/host_control.py); `restorable` reads the job's."""
+    out: dict[str, dict[int, set[int]]] = {}
+    for d in node_dir.glob("*rank*") if node_dir.is_dir() else ():
+        try:
+            owner = int(d.name.rsplit("rank", 1)[1])
+        except ValueError:
+            continue
+        for meta in d.glob("step-*.s?.*.meta"):
+            parts = meta.name.split(".")
+            if len(parts) < 4:
+                continue
+            sig = ".".join(parts[2:-1])
+            for step, _ in _committed(d, sig):
+                out.setdefault(sig, {}).setdefault(owner, set()).add(step)
+    return {sig: {o: sorted(s) for o, s in owners.items()} for sig, owners in out.items()}
+
+
+def restorable(held: list[dict[str, dict]], world_size: int) -> int | None:
+    """The newest step whose snapshot of every rank of a `world_size` job is held somewhere
+    among `held` (the inventories of the next attempt's nodes), or None: then the ranks
+    resume from the newest DCP checkpoint (the same rule as SnapshotStore.restore)."""
+    best = None
+    for inv in held:
+        for sig in inv:
+            if not sig.startswith(f"w{world_size}-"):
+                continue
+            per_owner = [set() for _ in range(world_size)]
+            for node_inv in held:
+                for owner, steps in node_inv.get(sig, {}).items():
+                    if 0 <= int(owner) < world_size:
+                        per_owner[int(owner)].update(steps)
+            common = set.intersection(*per_owner) if per_owner else set()
+            if common and (best is None or max(common) > best):
+                best = max(common)
+    return best

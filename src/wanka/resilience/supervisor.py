@@ -704,13 +704,18 @@ class Supervisor:
         """The coordinator: the hosts of the next attempt, said when they change."""
         after = self.control.plan(attempt, out.cause, out.node)
         before = self.control.plans.get(attempt - 1)
+        step = self.control.snapshot_step.get(attempt)
+        source = (f"the in-memory snapshots of step {step}" if step is not None else
+                  "the newest checkpoint (no host set holds a snapshot of every rank)")  # fmt: skip
         if before is not None and after != before:
             gone = [h for h in before if h not in after]
             new = [h for h in after if h not in before]
             how = (f"{', '.join(new)} takes the place of {', '.join(gone)}" if new and gone else
                    f"continuing without {', '.join(gone)}" if gone else f"adding {', '.join(new)}")  # fmt: skip
-            print(f"{self.says} next attempt on {', '.join(after)}: {how}", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(f"{self.says} next attempt on {', '.join(after)}: {how}; the ranks resume "
+                  f"from {source}", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            log.info("next attempt on %s; the ranks resume from %s", ", ".join(after), source)
 
     def _announce_end(self, rc: int) -> None:
         """The coordinator tells the others the job ended (once; also after an exception)."""
