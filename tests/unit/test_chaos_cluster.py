@@ -9,7 +9,7 @@ import pytest
 
 from wanka.resilience import chaos
 from wanka.resilience.chaos import ChaosDriver, parse_schedule
-from wanka.resilience.drill import injected_faults
+from wanka.resilience.drill import format_drill, injected_faults
 from wanka.resilience.heartbeat import Beat
 
 
@@ -174,3 +174,32 @@ def test_drill_rows_say_where_the_fault_struck_and_where_it_was_named(tmp_path):
     kill, cut = injected_faults(ev, "kill@step=3,rank=1;link_cut@step=5,node=1", tmp_path)
     assert (kill["node"], kill["named_node"], kill["detected_as"]) == ("n1", "n1", "process_crash")
     assert (cut["node"], cut["named_node"], cut["detected_as"]) == ("n1", "n0", "hang")
+
+
+def test_a_node_fault_on_a_hot_spare_is_marked_not_missed(tmp_path):
+    """A link cut of a node that trained no rank then (a hot spare after a replacement):
+    the chaos event says so, and the drill row is `spare`, not an undetected fault."""
+    tl, nodes = Timeline(), Nodes()
+    driver = ChaosDriver(parse_schedule("link_cut@step=3,node=2,for=0.1"), tmp_path, "job",
+                         str(tmp_path / "snap"), tl)  # fmt: skip
+    driver.cluster = nodes
+    driver.poll(beats(3, {0: 1, 1: 2}), time.time(), 1, node_of={0: "n0", 1: "n1"}.get)
+    [(kind, ev)] = tl.events
+    assert kind == "chaos" and ev["node"] == "n2" and ev["training"] is False
+    steps = [{"kind": "step", "t0": float(s), "t1": s + 0.9, "step": s} for s in range(6)]
+    spare = {**ev, "kind": "chaos", "t0": 3.05, "t1": 3.05}
+    [row] = injected_faults([*steps, spare], "link_cut@step=3,node=2,for=0.1", tmp_path)
+    assert row["training"] is False and row["detected"] is False
+    result = {"schedule": "s", "cluster": True,
+              "runs": {"wanka": {"wall_s": 1.0, "submissions": 1, "state_equal": True, "rc": 0,
+                                 "injected": [row]}}}  # fmt: skip
+    assert format_drill(result).splitlines()[4].split()[:3] == ["link_cut", "n2", "spare"]
+    # A node with ranks on it: training.
+    tl2 = Timeline()
+    d2 = ChaosDriver(parse_schedule("link_cut@step=3,node=1,for=0.1"), tmp_path / "b", "job",
+                     str(tmp_path / "snap"), tl2)  # fmt: skip
+    d2.cluster = Nodes()
+    d2.poll(beats(3, {0: 1, 1: 2}), time.time(), 1, node_of={0: "n0", 1: "n1"}.get)
+    assert tl2.events[0][1]["training"] is True
+    d2.close()
+    driver.close()

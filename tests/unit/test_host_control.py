@@ -30,7 +30,7 @@ def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "7
     evicted = {} if evicted is None else evicted  # the ledger's evictions, shared by reference
     return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node, chaos=chaos,
                            rc=SimpleNamespace(spare_nodes=spares, snapshot_dir=str(tmp / "snap")),
-                           job="job",
+                           job="job", run_dir=tmp / "run",
                            ledger=SimpleNamespace(evicted=lambda: dict(evicted)),
                            timeouts=Timeouts(tmp / f"{node}-timeouts.json", 3.0, 1.0, 30.0))  # fmt: skip
 
@@ -394,3 +394,68 @@ def test_a_follower_whose_pre_flight_failed_ends_the_job_at_the_coordinator(pair
     assert out.said == "node n1: its pre-flight failed (see that node's output)"
     assert head.view.get("verdict")["cause"] == "user_error"
     assert head.view.read_decision()["action"] == "stop"
+
+
+def test_a_hang_stop_writes_the_stacks_of_each_hosts_ranks_first(pair, tmp_path):
+    """After a hang the coordinator's stop asks for stacks: every host's agent writes its own
+    ranks' (logs/stacks-attemptN-NODE.txt, Python stacks in the rank logs) before killing
+    them; a crash's stop does not."""
+    import subprocess
+    import sys
+
+    head, follower = pair
+    for c in (head, follower):
+        c.begin(1)
+    code = ("import sys, time; from pathlib import Path; "
+            "from wanka.resilience.heartbeat import Reporter; "
+            "r = Reporter(Path(sys.argv[1]), 1, 1); r.enter('forward', 3); time.sleep(60)")  # fmt: skip
+    rank = subprocess.Popen([sys.executable, "-c", code, str(follower.hb_dir(1))])
+    try:
+        deadline = time.monotonic() + 30
+        while not (follower.hb_dir(1) / "rank1.hb").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        follower.agent.poll_once()
+        out = Outcome("hang", rank=1, node="n1", detail="rank 1 stuck in forward of step 4",
+                      t_fault=time.time(), t_detect=time.time())  # fmt: skip
+        head._stop_all(1, out, "rank 1 on node n1: hang (stuck in forward)")
+        assert head.view.read_decision()["dump"] is True
+        follower.agent.poll_once()  # carries the stop out: stacks first, then the kill
+        stacks = tmp_path / "run" / "logs" / "stacks-attempt1-n1.txt"
+        assert f"rank 1 pid {rank.pid} step 3 phase forward" in stacks.read_text()
+        assert rank.wait(timeout=10) != 0
+    finally:
+        rank.kill()
+        rank.wait()
+    crash = Outcome("process_crash", rank=0, node="n0", detail="rank 0 died",
+                    t_fault=time.time(), t_detect=time.time())  # fmt: skip
+    head._stop_all(1, crash, "rank 0 on node n0: process_crash")
+    assert head.view.read_decision()["dump"] is False
+
+
+@pytest.mark.parametrize("error, named", [
+    (None, ("process_crash", 1, "n0")),  # ours was killed first-hand: the remote death follows
+    ("RuntimeError: [gloo] Read error: Connection reset by peer", ("process_crash", 0, "n1")),
+])  # fmt: skip
+def test_a_remote_crash_is_named_instead_of_ours_only_when_ours_was_its_victim(
+    pair, monkeypatch, error, named
+):
+    head, follower = pair
+    monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 2.0)
+    for c in (head, follower):
+        c.begin(1)
+    stop = threading.Event()
+    seen = Outcome("success")
+    t = threading.Thread(target=follower.watch, args=(None, 1, seen, stop))
+    t.start()  # the follower's host is up and beats
+    try:
+        follower.view.report_exit(0, 1, "RuntimeError: boom", "n1", 1)  # a rank of n1 died
+        out = Outcome("process_crash", rank=1, node="n0", detail="rank 1 died in forward",
+                      t_fault=time.time(), t_detect=time.time())  # fmt: skip
+        out.error = error
+        head.conclude(1, out)
+        assert (out.cause, out.rank, out.node) == named
+        assert (head.view.get("verdict")["rank"], head.view.get("verdict")["node"]) == named[1:]
+    finally:
+        stop.set()
+        t.join(timeout=5)

@@ -39,21 +39,27 @@ if TYPE_CHECKING:  # the store imports torch (2 s): the agent starts its command
     from wanka.control.store import ControlStore
 
 log = logging.getLogger("wanka.control.agent")
+DUMP_BUDGET_S = 3.0  # a hang's stack dump before the kill: at most this long
 
 
 class NodeAgent:
     def __init__(self, store: ControlStore, node: str, hb_dir: Path, poll_s: float = 0.5,
                  pgid: int | None = None, kill: Callable[[int, int], None] = os.killpg,
-                 attempt: int | None = None, orphan_s: float | None = None) -> None:  # fmt: skip
+                 attempt: int | None = None, orphan_s: float | None = None,
+                 stacks_dir: Path | None = None) -> None:  # fmt: skip
         """`pgid`: the process group to kill on "stop" (set it again for each attempt's
         torchrun); `kill(pgid, signal)` is os.killpg unless a test injects its own.
         `attempt`: only decisions about this attempt are carried out (None: any decision
         written after this agent started). `orphan_s`: with the store unreachable that long
         (its host, the coordinator's, is gone or cut off), stop the node's ranks on our own:
-        nobody is left to name a fault or decide, and peers elsewhere may already be gone."""
+        nobody is left to name a fault or decide, and peers elsewhere may already be gone.
+        `stacks_dir`: where a stop that asks for them (a hang) leaves this node's ranks' stacks
+        (stacks-attemptN-NODE.txt; Python stacks in each rank's log without py-spy)."""
         self.store, self.node, self.hb_dir, self.poll_s = store, node, Path(hb_dir), poll_s
         self.pgid, self.kill, self.attempt, self.orphan_s = pgid, kill, attempt, orphan_s
         self.fenced = False
+        self.stacks_dir = stacks_dir
+        self._beats: dict[int, object] = {}  # rank -> its last Beat (for a stack dump)
         self._sent: dict[int, bytes] = {}  # rank -> the record + state last published
         self._exits_sent: dict[int, tuple] = {}
         self._marks_sent: set[int] = set()  # chaos marks (fault ids) published
@@ -122,6 +128,7 @@ class NodeAgent:
             if beat is None:
                 continue  # absent or torn: the next poll reads it whole
             self._pids[rank] = (beat.pid, beat.attempt)
+            self._beats[rank] = beat
             out[rank] = (raw, beat, process_state(beat.pid) or GONE)
         return out
 
@@ -168,6 +175,8 @@ class NodeAgent:
         elif self.pgid is None:
             detail = "no process group to stop"
         else:
+            if d.get("dump") and self.stacks_dir is not None:
+                self._dump_stacks(d["attempt"])
             try:
                 self.kill(self.pgid, signal.SIGKILL)  # no grace: peers would wait on gloo
                 detail = f"killed process group {self.pgid}"
@@ -179,6 +188,26 @@ class NodeAgent:
         log.info("agent %s: %s (%s)", self.node, detail, d.get("reason", ""))
         self.store.report_done(self.node, d, detail)
         return d
+
+    def _dump_stacks(self, attempt: int) -> None:
+        """This node's ranks' stacks before they are killed (a hang: where each one waits),
+        for at most DUMP_BUDGET_S: a stop must not wait on py-spy (seconds per rank), and
+        this poll runs under the control store's deadline."""
+        from wanka.resilience.monitor import dump_stacks
+
+        beats = {r: b for r, b in self._beats.items()
+                 if self.attempt is None or b.attempt == self.attempt}  # fmt: skip
+        out = self.stacks_dir / f"stacks-attempt{attempt}-{self.node}.txt"
+
+        def dump() -> None:
+            try:
+                dump_stacks(beats, out)
+            except OSError as e:
+                log.error("agent %s: stacks not written: %s", self.node, e)
+
+        t = threading.Thread(target=dump, name="wanka-stacks", daemon=True)
+        t.start()
+        t.join(DUMP_BUDGET_S)
 
     def _kill_ranks(self) -> None:
         """torchrun starts each rank in a session of its own: killing its group leaves them.
@@ -238,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="store unreachable this long: stop the node's ranks (default: never)",
     )
+    p.add_argument("--stacks-dir", type=Path, default=None,
+                   help="a stop for a hang writes this node's ranks' stacks here first")  # fmt: skip
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: start and watch it")
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -262,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             host, port = found
         store = ControlStore.connect(host, port, a.job, a.timeout_s)
         agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt,
-                          orphan_s=a.orphan_s)  # fmt: skip
+                          orphan_s=a.orphan_s, stacks_dir=a.stacks_dir)  # fmt: skip
     except ConnectionError as e:
         print(f"wanka agent {a.node}: {e}", file=sys.stderr)
         if child is not None:  # never left running unwatched

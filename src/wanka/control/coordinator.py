@@ -115,9 +115,10 @@ class Coordinator:
             return died
         return None
 
-    def decide_stop(self, attempt: int, reason: str) -> dict:
-        """Tell every agent to kill its ranks; returns the decision as written."""
-        return self.store.write_decision("stop", attempt, reason)
+    def decide_stop(self, attempt: int, reason: str, dump: bool = False) -> dict:
+        """Tell every agent to kill its ranks (`dump`: after writing their stacks, a hang's
+        evidence); returns the decision as written."""
+        return self.store.write_decision("stop", attempt, reason, dump=dump)
 
     # -- the rules ---------------------------------------------------------------------------
     def _current(self, attempt: int) -> bool:

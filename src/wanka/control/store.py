@@ -211,12 +211,13 @@ class ControlStore:
         return out
 
     # -- decisions ---------------------------------------------------------------------------
-    def write_decision(self, action: str, attempt: int, reason: str) -> dict:
-        """The coordinator's word to every agent. `seq` tells a new decision from one an
-        agent already carried out, even when two say the same."""
+    def write_decision(self, action: str, attempt: int, reason: str, **extra: Any) -> dict:
+        """The coordinator's word to every agent (`extra`: e.g. dump=True, stacks first).
+        `seq` tells a new decision from one an agent already carried out, even when two say
+        the same."""
         seq = self._call("count a decision", self.store.add, self._key("decision", "seq"), 1)
         value = {"action": action, "attempt": attempt, "reason": reason, "seq": seq,
-                 "t": time.time()}  # fmt: skip
+                 "t": time.time(), **extra}  # fmt: skip
         self._call("write a decision", self.store.set, self._key("decision"), json.dumps(value))
         return value
 

@@ -101,7 +101,8 @@ def _directives(job: Job, res: SlurmResources, chdir: str) -> list[str]:
         f"# USR1 to this script {res.warn_s} s before the time limit: the ranks stop together,",
         "# write a last-gasp checkpoint, and the job is requeued to resume from it.",
         f"#SBATCH --signal=B:USR1@{res.warn_s}",
-        "# Preemption or a node failure puts the job back in the queue (same job id).",
+        "# Preemption or a node failure puts the job back in the queue (same job id; with",
+        "# resilience.control = store, only a failure of the first node, below).",
         "#SBATCH --requeue",
         "# A requeued run appends to the job's output file instead of truncating it.",
         "#SBATCH --open-mode=append",
@@ -129,7 +130,24 @@ def render(job: Job, res: SlurmResources, wanka: list[str], chdir: str, how: str
     q = shlex.quote
     train = " ".join(q(a) for a in [*wanka, *job.train_args()])
     port = res.rdzv_port
+    rc_setup = rc_read = ""
     if job.store_control:
+        rc_file = (
+            shlex.quote(f"{job.run_dir}/resilience/")
+            + '"job-rc.$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"'
+        )
+        rc_setup = (
+            "# The coordinator writes the job's exit code here: srun's is the highest task's, and a\n"
+            "# host lost on the way (its task killed) would hide a finished job or a last gasp.\n"
+            f"export WANKA_JOB_RC_FILE={rc_file}\n"
+            'rm -f "$WANKA_JOB_RC_FILE"\n'
+        )
+        rc_read = (
+            'if [ -s "$WANKA_JOB_RC_FILE" ]; then\n'
+            '  rc=$(cat "$WANKA_JOB_RC_FILE")\n'
+            '  rm -f "$WANKA_JOB_RC_FILE"\n'
+            "fi\n"
+        )
         step_policy = "--no-kill --kill-on-bad-exit=0"
         step_comment = (
             "# --no-kill: a node that fails or a task that ends does not end the step: the\n"
@@ -179,7 +197,7 @@ trap 'request_stop preempted' TERM
 # WANKA_NODE: the fault ledger names nodes as Slurm does, so `--exclude` can use them later.
 # The rendezvous id changes with each requeue: a run never mistakes the run-directory lock of
 # an earlier run of this job (killed before it could release it) for a peer's.
-{step_comment}srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 {step_policy} \\
+{step_comment}{rc_setup}srun --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 {step_policy} \\
   bash -c 'export WANKA_NODE="$SLURMD_NODENAME"; exec "$@"' wanka-task \\
   {train} \\
   --nnodes {job.nodes} --rdzv-backend c10d --rdzv-endpoint "$head:{port}" \\
@@ -196,7 +214,7 @@ while :; do
   rc=$status
   [ -n "$interrupted" ] || break
 done
-
+{rc_read}
 if [ "$rc" -eq {EXIT_PREEMPTED} ] && [ "$stop" = time-limit ]; then
   # {EXIT_PREEMPTED}: stopped after the last-gasp checkpoint. The requeued run resumes from it.
   echo "wanka: checkpoint written; requeueing job $SLURM_JOB_ID" >&2

@@ -269,8 +269,11 @@ class ChaosDriver:
                 (self.marks / f"{f.id}.fired").touch()
                 # Where it struck: a drill checks that the fault is named with this node.
                 node = self._target_node(f)
+                where = {"node": node} if node else {}
+                if node and f.kind in ("node_kill", "link_cut"):  # a hot spare trains no rank
+                    where["training"] = any(self._node_of(r) == node for r in beats)
                 self.timeline.event("chaos", now, now, fault=f.spec(), attempt_no=attempt,
-                                    **({"node": node} if node else {}))  # fmt: skip
+                                    **where)  # fmt: skip
 
     def _target_node(self, f: Fault) -> str | None:
         if f.kind in ("kill", "stop"):

@@ -284,6 +284,8 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
     # A disk_full also logs its release (the fill's window); that is not another injection.
     chaos = [e for e in events if e["kind"] == "chaos" and not e.get("released")]
     injections = [(e["t0"], e["fault"].split("@")[0], e.get("node")) for e in chaos]
+    # A node fault that struck a hot spare (no rank of the attempt on it) stops nothing.
+    idle = {(e["t0"], e.get("node")) for e in chaos if e.get("training") is False}
     # Faults injected inside a rank (nan, slow) leave a mark file when they fire.
     kinds = {f.id: f.kind for f in parse_schedule(schedule)}
     for p in marks.glob("*.fired") if marks.is_dir() else ():
@@ -324,6 +326,7 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
                      else detect_s <= limit + LIMIT_SLACK_S,
                      "detected_as": det.get("cause") if det else None, "node": node,
                      "named_node": det.get("node") if det else None,
+                     "training": (t_inj, node) not in idle,
                      "to_productive_s": to_productive, "steps_lost": len(redone)})  # fmt: skip
     return rows
 
@@ -364,8 +367,12 @@ def format_drill(result: dict) -> str:
             lat, rec, lim = f["detect_s"], f["to_productive_s"], f.get("limit_s")
             where = f"{f.get('node') or '-':>5}" if nodes else ""
             on = f"{f.get('named_node') or '-':>5}" if nodes else ""
-            lines.append(f"  {f['kind']:<14}{where}{'yes' if f['detected'] else 'no':>9}"
+            seen = "yes" if f["detected"] else "no" if f.get("training", True) else "spare"
+            lines.append(f"  {f['kind']:<14}{where}{seen:>9}"
                          f"{str(f['detected_as'] or '-'):>25}{on}{'-' if lat is None else f'{lat:.2f}':>10}"
                          f"{'-' if lim is None else f'{lim:.1f}':>9}"
                          f"{'-' if rec is None else f'{rec:.2f}':>17}{f['steps_lost']:>12}")  # fmt: skip
+        if any(not f.get("training", True) for f in r.get("injected", [])):
+            lines.append("  (spare: the node was a hot spare then, training no rank: nothing to "
+                         "detect)")  # fmt: skip
     return "\n".join(lines)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -57,6 +58,9 @@ log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
+# What a rank that died because a peer went says (gloo, NCCL, HCCL, sockets): a victim.
+PEER_LOSS = re.compile(r"connection (reset|closed|refused)|broken pipe|read error|socket timeout|"
+                       r"timed? ?out|nccl|hccl|remote (worker|process)|peer", re.IGNORECASE)  # fmt: skip
 FIRST_PLAN_S = 600.0  # for enough hosts to reach the store (torchrun's rendezvous join time-out)
 
 
@@ -192,20 +196,27 @@ class HostControl:
             if not prev and attempt > 1:  # the attempt before trained on every host
                 prev = self.plans[attempt - 1] = list(hosts)
             window = AGENT_TIMEOUT_S if prev else 1.0
-            lost = {node} if cause == "node_lost" and node else set()
+            # Not waited for: the host just named lost, and hosts found gone before.
+            lost = ({node} if cause == "node_lost" and node else set()) | self.gone
             live = live_hosts(lambda: self._answered(self.root.read_agents), hosts,
                               {self.sup.node}, window, AGENT_POLL_S, lost)  # fmt: skip
             if prev or len(live - evicted) >= self.width:
                 break
+            left = self._answered(lambda: self.root.get("left"))
+            if left is not None:  # a host this attempt needs ended in its pre-flight
+                raise ValueError(f"node {left['node']}: {left['message']}")
             if time.monotonic() > deadline:
+                out = f"; evicted in the fault ledger: {', '.join(sorted(evicted & live))}" \
+                    if evicted & live else ""  # fmt: skip
                 raise ValueError(f"only {len(live - evicted)} of the {self.width} hosts this job "
                                  f"trains on reached the control store within {FIRST_PLAN_S:.0f} s "
-                                 f"(live: {', '.join(sorted(live))}); are the other hosts' "
+                                 f"(live: {', '.join(sorted(live))}{out}); are the other hosts' "
                                  "tasks running, and is resilience.spare_nodes right?")  # fmt: skip
             if time.monotonic() - waited_s > 30:
                 waited_s = time.monotonic()
                 log.warning("waiting for hosts: %d of %d reached the control store",
                             len(live - evicted), self.width)  # fmt: skip
+            time.sleep(AGENT_POLL_S)
         self.gone = set(hosts) - live
         self.evicted_now = evicted & set(hosts)
         suspect = suspect_of(cause, node) if cause else None
@@ -244,7 +255,8 @@ class HostControl:
             self.agent = self._answered(
                 lambda: NodeAgent(self.view, self.sup.node, self.hb_dir(attempt), AGENT_POLL_S,
                                   pgid=0, kill=self._kill_local, attempt=attempt,
-                                  orphan_s=AGENT_TIMEOUT_S))  # fmt: skip
+                                  orphan_s=AGENT_TIMEOUT_S,
+                                  stacks_dir=Path(self.sup.run_dir) / "logs"))  # fmt: skip
             if self.coordinating:
                 self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
                                                AGENT_TIMEOUT_S, attempt=attempt,
@@ -309,6 +321,10 @@ class HostControl:
             now = time.time()
             if over:  # ranks that start after the verdict (a rendezvous completing late) too
                 self._kill_local(0, signal.SIGKILL)
+                try:  # still up while our ranks go: the coordinator is planning
+                    self._answered(self._beat)
+                except ConnectionError:
+                    pass
                 if last:
                     return
                 continue
@@ -334,14 +350,27 @@ class HostControl:
         that went down takes our ranks with it (reset connections) before its silence passes
         the limit: keep looking as during the attempt (a death is named only once the other
         hosts' agents have beaten since) until the store names the fault, or the agents' limit
-        has passed. True when it named one (now in `out`)."""
+        has passed. True when it named one (now in `out`). When our rank died first-hand (its
+        own exception, or a signal: not a lost peer's symptom), the remote ranks' deaths that
+        follow are its consequence: a remote crash is not named instead of it."""
+        first_hand = (out.cause in ("process_crash", "startup_failure") and out.rank is not None
+                      and not (out.error and PEER_LOSS.search(out.error)))  # fmt: skip
         deadline = time.monotonic() + AGENT_TIMEOUT_S + 1.0
         while not self.orphaned and time.monotonic() < deadline:
             try:
-                if self._answered(functools.partial(self._poll, attempt, out, time.time(), False)):
-                    return True
+                fault = self._answered(
+                    lambda: (self.agent.poll_once(), self.coordinator.check(time.time()))[1]
+                )
             except ConnectionError as e:
                 log.error("control store: %s", e)
+                fault = None
+            if fault is not None:
+                remote_death = fault.cause in ("process_crash", "startup_failure")
+                if first_hand and remote_death and fault.node != self.sup.node:
+                    return False
+                fault.onto(out, time.time())
+                self._answered(lambda f=fault: self._stop_all(attempt, out, f.describe()))
+                return True
             time.sleep(AGENT_POLL_S)
         return False
 
@@ -351,6 +380,7 @@ class HostControl:
         if self.orphaned:
             return False
         self.agent.poll_once()
+        self._beat()  # this host is up, for the next attempt's plan (a slow teardown too)
         reports = self.view.read_ranks(self.world)
         steps = [rep.beat.step for rep in reports.values() if rep.beat.attempt == attempt]
         out.max_step = max([out.max_step, *steps])
@@ -393,7 +423,7 @@ class HostControl:
     def _stop_all(self, attempt: int, out, reason: str) -> None:
         """The decision first, then the verdict: a follower that sees the verdict finds the
         decision too."""
-        self.coordinator.decide_stop(attempt, reason)
+        self.coordinator.decide_stop(attempt, reason, dump=out.cause == "hang")
         self.view.put("verdict", _verdict(out, self.sup.node))
         self.root.put("current", {"attempt": attempt, "formed": self._formed, "over": True,
                                   "members": self.plans.get(attempt)})  # fmt: skip
@@ -424,7 +454,7 @@ class HostControl:
                 seen = (out.cause, out.rank, out.node)
                 if self._settle(attempt, out):  # named from the store: not what we saw
                     if (out.cause, out.rank, out.node) != seen:
-                        out.error = out.said = None
+                        out.error = None  # the exception in our rank's log: not the cause
                     return
                 self._stop_all(attempt, out, f"{out.cause}: {out.detail}")
         except ConnectionError as e:

@@ -304,7 +304,8 @@ class StoreControl:
                 f"{self.sup.job}/a{attempt}", "--node", node.name,
                 "--hb-dir", str(self.hb_dir(node.name, attempt)), "--poll-s", str(AGENT_POLL_S),
                 "--attempt", str(attempt), "--orphan-s", str(AGENT_TIMEOUT_S),
-                "--timeout-s", str(AGENT_TIMEOUT_S / 2), "--", *argv]  # fmt: skip
+                "--timeout-s", str(AGENT_TIMEOUT_S / 2),
+                "--stacks-dir", str(self.sup.run_dir / "logs"), "--", *argv]  # fmt: skip
 
     def own_run_dir(self) -> Path | None:
         """With WANKA_NODE_OWN_RUN_DIR=1 (a test of the claim that only checkpoints cross the
@@ -362,7 +363,8 @@ class StoreControl:
         if fault is None:
             return False
         fault.onto(out, now, sup.chaos.fault_time(fault.rank, fault.node))
-        self.coordinator.decide_stop(attempt, fault.describe())  # each agent kills its ranks
+        # Each agent kills its ranks; after a hang, it writes their stacks first.
+        self.coordinator.decide_stop(attempt, fault.describe(), dump=fault.cause == "hang")
         # Should no agent act on it (its store link broken, itself stuck), the attempt is torn
         # down from here after a grace: peers must not wait on gloo until its time-out.
         timer = threading.Timer(STOP_GRACE_S, self._stop_event.set)

@@ -538,6 +538,8 @@ class Supervisor:
             rc = self._run()
             return rc
         except BaseException as e:  # the other hosts' ranks must not wait on ours
+            if isinstance(e, ValueError):  # said in one line by the CLI, which exits 2
+                rc = EXIT_USER_ERROR
             if self._hosts() and not self.follows:
                 self.control.abort(f"the coordinator stopped: {type(e).__name__}: {e}")
             raise
@@ -547,11 +549,25 @@ class Supervisor:
             if self._warm is not None:  # spare launchers of an attempt that never came
                 self._warm.close()
             self._announce_end(rc)  # an exception or interrupt ended the loop: say so
+            if self._hosts() and not self.follows:
+                self._write_job_rc(rc)
             if self.control is not None:
                 self.control.close()
             if rc == 0 and self.cluster is not None:
                 self._drop_node_snapshots()
             drop_owner_if_alone(Path(self.rc.snapshot_dir) / self.job)
+
+    def _write_job_rc(self, rc: int) -> None:
+        """The coordinator's exit code is the job's: the batch script reads it
+        (WANKA_JOB_RC_FILE, launch/slurm.py) instead of srun's highest task code."""
+        path = os.environ.get("WANKA_JOB_RC_FILE")
+        if not path:
+            return
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(f"{rc}\n")
+        except OSError as e:
+            print(f"{self.says} cannot write the job's exit code to {path}: {e}", file=sys.stderr)
 
     def _drop_node_snapshots(self) -> None:
         """A finished job needs no snapshot: the copies nodes kept of ranks that moved away
@@ -666,7 +682,7 @@ class Supervisor:
             print(f"{self.says} {self._where(out)}{out.cause} ({out.detail}{why}); restart {failures} in {delay:.1f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
             self._preempt.wait(delay)  # a stop request ends the back-off at once
-            if self._hosts():  # which hosts train next: a spare in a lost or evicted host's place
+            if self._hosts() and not self._preempt.is_set():  # which hosts train next
                 self._plan_hosts(attempt + 1, out)
             if self.rc.preflight != "off" and self._preflight(live=False):
                 rc = EXIT_USER_ERROR  # e.g. the remaining nodes cannot hold this layout
@@ -692,7 +708,8 @@ class Supervisor:
         """A follower not among `attempt`'s hosts waits for the coordinator's next word: None
         to go on to the next attempt, or the job's exit code."""
         plan = self.control.plans[attempt]
-        why = "evicted" if self.node in self.control.evicted_now else "a hot spare"
+        why = ("evicted" if self.node in self.control.evicted_now else
+               "a hot spare" if self.control.spares else "not in this attempt")  # fmt: skip
         print(f"{self.says} node {self.node} stands by ({why}) while attempt {attempt} trains on "
               f"{', '.join(plan)}", file=sys.stderr, flush=True)  # fmt: skip
         nxt = self.control.wait_next(attempt, self._preempt)
@@ -801,13 +818,18 @@ class Supervisor:
                   file=sys.stderr, flush=True)  # fmt: skip
             self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
             return True
-        elif node not in self._warned:
+        elif self._hosts() and node == self.node and node not in self.ledger.evicted():
+            # Evicted in the ledger (the next `wanka launch` excludes it), but it trains on in
+            # this job: the control and rendezvous stores run on it.
+            self.ledger.evict(node, reason)
+            print(f"{self.says} evicting node {node} ({reason}) from the next submission; it "
+                  "coordinates this job (the control and rendezvous stores run on it), so it "
+                  "trains on until the job ends", file=sys.stderr, flush=True)  # fmt: skip
+            self.timeline.event("evict", time.time(), time.time(), node=node, reason=reason)
+        elif node not in self._warned and not (self._hosts() and node == self.node):
             self._warned.add(node)
-            why = ("it coordinates the job (the control and rendezvous stores run on it): kept "
-                   "for this job; `wanka launch` excludes it from the next submission"
-                   if self._hosts() and node == self.node else "no other node is left: kept")  # fmt: skip
-            print(f"{self.says} node {node} meets the eviction policy ({reason}) but {why}; see "
-                  "`wanka nodes`", file=sys.stderr)  # fmt: skip
+            print(f"{self.says} node {node} meets the eviction policy ({reason}) but no other "
+                  "node is left: kept; see `wanka nodes`", file=sys.stderr)  # fmt: skip
         return False
 
     def _record_slow(self, rank: int, node: str | None, beat, now: float) -> None:
