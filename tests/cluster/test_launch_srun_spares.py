@@ -133,6 +133,7 @@ def test_a_killed_host_is_replaced_by_the_spare_within_the_job(cluster, tmp_path
     assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
     (step,) = (tmp_path / "slurm" / "steps").glob(f"{JOB_ID}.*")
     n1_task = int(step.read_text().split()[1])
+    t_kill = time.time()
     fake.signal_tree([n1_task], signal.SIGKILL)
     rc = finish(p, tmp_path)
     out = (tmp_path / "slurm.out").read_text()
@@ -150,3 +151,7 @@ def test_a_killed_host_is_replaced_by_the_spare_within_the_job(cluster, tmp_path
     ) in out, out[-4000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    t_back = min(r["time"] for r in rows if r.get("kind") == "train" and r["time"] > t_kill
+                 and r["step"] > step)  # fmt: skip
+    print(f"n1 killed: training again on n0 + n2 {t_back - t_kill:.1f} s later")

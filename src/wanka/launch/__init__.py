@@ -57,7 +57,7 @@ def check_job(config: str, sets: list[str], nodes: int, nproc: int,
     from wanka.distributed.parallel_dims import ParallelDims, ParallelError
 
     r = cfg.resilience
-    if r.control == "store" and r.spare_nodes and nodes > 1:  # hot spares: N - S hosts train
+    if r.supervise and r.control == "store" and r.spare_nodes and nodes > 1:  # N - S train
         if r.spare_nodes >= nodes:
             raise ValueError(f"resilience.spare_nodes={r.spare_nodes} leaves no node to train on "
                              f"with --nodes {nodes}; allocate more nodes or fewer spares")  # fmt: skip
