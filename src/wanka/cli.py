@@ -88,6 +88,10 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
             raise ValueError(f"resilience.spare_nodes={r.spare_nodes} leaves no host to train on: "
                              f"the job has {nnodes} host(s) (--nnodes); set it below that")  # fmt: skip
         nnodes -= r.spare_nodes  # the hosts that train at once
+    elif r.spare_nodes and nnodes > 1:  # said, not silently ignored
+        print(f"wanka {worker[0]}: resilience.spare_nodes={r.spare_nodes} is ignored: across hosts "
+              'hot spares need resilience.control = "store" (and supervise = true); every host '
+              "trains", file=sys.stderr)  # fmt: skip
     try:
         ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)
     except ValueError as e:

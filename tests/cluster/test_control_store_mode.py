@@ -157,6 +157,9 @@ def test_stopped_rank_is_a_hang_named_with_its_node(three_nodes, tmp_path, refer
     # A frozen host is suspect: the spare takes its place.
     assert "hot spare n2 takes the place of n0" in r.stderr
     assert summary["state_digest"] == reference["state_digest"]
+    # The stop asked for stacks: n0's agent wrote its ranks' before killing them.
+    stacks = (run / "logs" / "stacks-attempt1-n0.txt").read_text()
+    assert "rank 0 pid" in stacks and "stopped: no stack can be taken" in stacks, stacks
 
 
 def test_a_lost_node_is_replaced_by_the_spare(three_nodes, tmp_path, reference):

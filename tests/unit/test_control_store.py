@@ -535,7 +535,7 @@ def control(tmp_path, monkeypatch):
     monkeypatch.setattr(sa, "spawn_store", lambda node: _FakeStore(node.name))
     closes = []
     sup = SimpleNamespace(outcomes=[], _warm=SimpleNamespace(close=lambda: closes.append(1)),
-                          nproc=1, job="j", timeouts=None, dir=tmp_path,
+                          nproc=1, job="j", timeouts=None, dir=tmp_path, run_dir=tmp_path,
                           cluster=SimpleNamespace(node=lambda n: SimpleNamespace(root="")))  # fmt: skip
     sc = sa.StoreControl(sup)
     nodes = [SimpleNamespace(name=n, addr="a", netns="x") for n in ("n0", "n1", "n2")]
