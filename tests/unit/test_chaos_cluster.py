@@ -183,6 +183,7 @@ def test_a_node_fault_on_a_hot_spare_is_marked_not_missed(tmp_path):
     driver = ChaosDriver(parse_schedule("link_cut@step=3,node=2,for=0.1"), tmp_path, "job",
                          str(tmp_path / "snap"), tl)  # fmt: skip
     driver.cluster = nodes
+    driver.attempt_nodes = {"n0", "n1"}  # the supervisor's attempt: n2 stands by
     driver.poll(beats(3, {0: 1, 1: 2}), time.time(), 1, node_of={0: "n0", 1: "n1"}.get)
     [(kind, ev)] = tl.events
     assert kind == "chaos" and ev["node"] == "n2" and ev["training"] is False
@@ -199,7 +200,22 @@ def test_a_node_fault_on_a_hot_spare_is_marked_not_missed(tmp_path):
     d2 = ChaosDriver(parse_schedule("link_cut@step=3,node=1,for=0.1"), tmp_path / "b", "job",
                      str(tmp_path / "snap"), tl2)  # fmt: skip
     d2.cluster = Nodes()
+    d2.attempt_nodes = {"n0", "n1"}
     d2.poll(beats(3, {0: 1, 1: 2}), time.time(), 1, node_of={0: "n0", 1: "n1"}.get)
     assert tl2.events[0][1]["training"] is True
     d2.close()
     driver.close()
+
+
+def test_a_fault_on_a_spare_does_not_cut_short_the_last_real_faults_window(tmp_path):
+    """A hang named after a spare's link cut belongs to the SIGSTOP before it: the spare's
+    row takes no detection and is not judged by a limit."""
+    steps = [{"kind": "step", "t0": float(s), "t1": s + 0.9, "step": s} for s in range(9)]
+    ev = [*steps,
+          {"kind": "chaos", "t0": 2.05, "t1": 2.05, "fault": "stop@step=3,rank=1", "node": "n1"},
+          {"kind": "chaos", "t0": 3.0, "t1": 3.0, "fault": "link_cut@step=4,node=2",
+           "node": "n2", "training": False},
+          {"kind": "fault", "t0": 2.05, "t1": 6.0, "cause": "hang", "node": "n1", "limit_s": 4.0}]  # fmt: skip
+    stop, cut = injected_faults(ev, "stop@step=3,rank=1;link_cut@step=4,node=2", tmp_path)
+    assert stop["detected"] and stop["named_node"] == "n1" and stop["within_limit"] is True
+    assert not cut["training"] and not cut["detected"] and cut["within_limit"] is None

@@ -433,12 +433,20 @@ def test_a_hang_stop_writes_the_stacks_of_each_hosts_ranks_first(pair, tmp_path)
     assert head.view.read_decision()["dump"] is False
 
 
-@pytest.mark.parametrize("error, named", [
-    (None, ("process_crash", 1, "n0")),  # ours was killed first-hand: the remote death follows
-    ("RuntimeError: [gloo] Read error: Connection reset by peer", ("process_crash", 0, "n1")),
+@pytest.mark.parametrize("error, code, named", [
+    # Ours died first-hand (killed from outside; its own exception, even one naming NCCL or a
+    # read error): the remote death that follows is its consequence.
+    (None, -9, ("process_crash", 1, "n0")),
+    ("ValueError: bad batch", 1, ("process_crash", 1, "n0")),
+    ("DistBackendError: NCCL error: ncclUnhandledCudaError: illegal memory access", 1,
+     ("process_crash", 1, "n0")),
+    ("OSError: [Errno 5] read error on /data/shard3", 1, ("process_crash", 1, "n0")),
+    # Ours was a victim (a lost peer's words), or we cannot tell (SIGABRT: NCCL's watchdog).
+    ("RuntimeError: [gloo] Read error: Connection reset by peer", 1, ("process_crash", 0, "n1")),
+    (None, -6, ("process_crash", 0, "n1")),
 ])  # fmt: skip
 def test_a_remote_crash_is_named_instead_of_ours_only_when_ours_was_its_victim(
-    pair, monkeypatch, error, named
+    pair, monkeypatch, error, code, named
 ):
     head, follower = pair
     monkeypatch.setattr(hc, "AGENT_TIMEOUT_S", 2.0)
@@ -452,10 +460,35 @@ def test_a_remote_crash_is_named_instead_of_ours_only_when_ours_was_its_victim(
         follower.view.report_exit(0, 1, "RuntimeError: boom", "n1", 1)  # a rank of n1 died
         out = Outcome("process_crash", rank=1, node="n0", detail="rank 1 died in forward",
                       t_fault=time.time(), t_detect=time.time())  # fmt: skip
-        out.error = error
+        out.error, out.exits = error, {1: code}
+        t0 = time.monotonic()
         head.conclude(1, out)
+        # Decided on the store's naming (seen within a poll or two), not after its whole wait.
+        assert time.monotonic() - t0 < 1.5
         assert (out.cause, out.rank, out.node) == named
         assert (head.view.get("verdict")["rank"], head.view.get("verdict")["node"]) == named[1:]
     finally:
         stop.set()
         t.join(timeout=5)
+
+
+def test_a_stack_dump_cut_short_keeps_what_it_took(tmp_path, monkeypatch):
+    """Written rank by rank; once the ranks are being killed (cancel), no further rank's pid
+    is signalled (it may already be another process's)."""
+    from wanka.resilience import monitor
+    from wanka.resilience.heartbeat import Beat
+
+    cancel = threading.Event()
+
+    def state(pid):  # the kill starts while the first rank is being looked at
+        cancel.set()
+        return "T"  # stopped: no signal sent
+
+    monkeypatch.setattr(monitor, "process_state", state)
+    beats = {r: Beat(rank=r, pid=2**22 + r, attempt=1, step=5, phase="forward", since=0.0,
+                     written=0.0, max_seconds={}) for r in (0, 1)}  # fmt: skip
+    out = tmp_path / "stacks.txt"
+    monitor.dump_stacks(beats, out, wait_s=0.0, cancel=cancel)
+    text = out.read_text()
+    assert "rank 0 pid 4194304 step 5 phase forward state T" in text
+    assert "rank 1 pid" not in text and "cut short" in text

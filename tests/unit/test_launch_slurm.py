@@ -296,3 +296,33 @@ def test_srun_ending_during_the_trap_keeps_its_exit_code(tmp_path):
     rc, _, terms, err = run_script(tmp_path, slow, seconds=30, send=signal.SIGUSR1)
     assert rc == 75 and terms == {0: "SIGTERM", 1: "SIGTERM"}, err
     assert requeued(tmp_path) == ["777"]
+
+
+@pytest.mark.parametrize("coordinator_says, srun_code, script_code", [
+    ("0", 137, 0),  # a host killed on the way (its task 137): the job finished
+    (None, 137, 137),  # the coordinator's own task killed: nothing written, srun's code
+    ("75", 1, 75),  # a last gasp: the coordinator's 75, whatever the other tasks said
+])  # fmt: skip
+def test_store_control_no_kill_and_the_coordinators_exit_code(
+    tmp_path, coordinator_says, srun_code, script_code
+):
+    script = render(tmp_path, "--set", 'resilience.control="store"')
+    assert "--no-kill" in directives(script)
+    srun = next(x for x in script.splitlines() if x.startswith("srun "))
+    assert "--no-kill --kill-on-bad-exit=0" in srun and "--wait" not in srun
+    # The script run with stand-ins: srun's task on the first node writes the job's code.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write = (f'mkdir -p "$(dirname "$WANKA_JOB_RC_FILE")"; echo {coordinator_says} > '
+             '"$WANKA_JOB_RC_FILE"; ' if coordinator_says else "")  # fmt: skip
+    stubs = {"srun": f"#!/bin/bash\n{write}exit {srun_code}\n",
+             "scontrol": "#!/bin/bash\necho n0\n", "scancel": "#!/bin/bash\nexit 0\n"}  # fmt: skip
+    for name, text in stubs.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="7",
+               SLURM_JOB_NODELIST="n[0-1]")  # fmt: skip
+    p = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert p.returncode == script_code, p.stderr
+    assert not list((tmp_path / "run").rglob("job-rc.*"))  # read once, then removed

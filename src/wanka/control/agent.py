@@ -198,16 +198,18 @@ class NodeAgent:
         beats = {r: b for r, b in self._beats.items()
                  if self.attempt is None or b.attempt == self.attempt}  # fmt: skip
         out = self.stacks_dir / f"stacks-attempt{attempt}-{self.node}.txt"
+        cancel = threading.Event()
 
         def dump() -> None:
             try:
-                dump_stacks(beats, out)
+                dump_stacks(beats, out, cancel=cancel)
             except OSError as e:
                 log.error("agent %s: stacks not written: %s", self.node, e)
 
         t = threading.Thread(target=dump, name="wanka-stacks", daemon=True)
         t.start()
         t.join(DUMP_BUDGET_S)
+        cancel.set()  # the kill follows: no rank is looked at after it
 
     def _kill_ranks(self) -> None:
         """torchrun starts each rank in a session of its own: killing its group leaves them.

@@ -173,6 +173,7 @@ class ChaosDriver:
         self.ballasts: dict[int, Ballast] = {}  # fault id -> the file filling the disk now
         # On the cluster-in-a-box (set by the caller): .kill_node(name), .set_link(name, up).
         self.cluster = None
+        self.attempt_nodes: set[str] | None = None  # the nodes training now (cluster jobs)
         self.cuts: dict[int, tuple[str, float, str, float]] = {}  # id -> node, until, spec, t0
         self._owner = os.getpid()  # forked ranks inherit atexit handlers: only we release
         self._atexit = False
@@ -270,8 +271,8 @@ class ChaosDriver:
                 # Where it struck: a drill checks that the fault is named with this node.
                 node = self._target_node(f)
                 where = {"node": node} if node else {}
-                if node and f.kind in ("node_kill", "link_cut"):  # a hot spare trains no rank
-                    where["training"] = any(self._node_of(r) == node for r in beats)
+                if node and f.kind in ("node_kill", "link_cut") and self.attempt_nodes:
+                    where["training"] = node in self.attempt_nodes  # else a hot spare
                 self.timeline.event("chaos", now, now, fault=f.spec(), attempt_no=attempt,
                                     **where)  # fmt: skip
 

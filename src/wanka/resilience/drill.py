@@ -299,8 +299,16 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
         (e for e in events if e["kind"] == "step" and e.get("t1")), key=lambda e: e["t0"]
     )
     rows = []
-    for i, (t_inj, kind, node) in enumerate(injections):
-        t_next = injections[i + 1][0] if i + 1 < len(injections) else float("inf")
+    # What a fault caused is looked for until the next fault that could cause anything.
+    real = [t for t, _, n in injections if (t, n) not in idle]
+    for t_inj, kind, node in injections:
+        if (t_inj, node) in idle:
+            rows.append({"kind": kind, "t": t_inj, "detected": False, "detect_s": None,
+                         "limit_s": None, "within_limit": None, "detected_as": None,
+                         "node": node, "named_node": None, "training": False,
+                         "to_productive_s": None, "steps_lost": 0})  # fmt: skip
+            continue
+        t_next = next((t for t in real if t > t_inj), float("inf"))
         cause = SHOWS_LATER.get(kind)
         until = float("inf") if cause else t_next
         det = next((d for d in detections if t_inj <= (d["t1"] or d["t0"]) < until
@@ -326,7 +334,7 @@ def injected_faults(events: list[dict], schedule: str, marks: Path) -> list[dict
                      else detect_s <= limit + LIMIT_SLACK_S,
                      "detected_as": det.get("cause") if det else None, "node": node,
                      "named_node": det.get("node") if det else None,
-                     "training": (t_inj, node) not in idle,
+                     "training": True,
                      "to_productive_s": to_productive, "steps_lost": len(redone)})  # fmt: skip
     return rows
 

@@ -30,6 +30,7 @@ once an attempt's agents shut down, and a closed one cannot be joined again.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -58,9 +59,12 @@ log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
-# What a rank that died because a peer went says (gloo, NCCL, HCCL, sockets): a victim.
-PEER_LOSS = re.compile(r"connection (reset|closed|refused)|broken pipe|read error|socket timeout|"
-                       r"timed? ?out|nccl|hccl|remote (worker|process)|peer", re.IGNORECASE)  # fmt: skip
+# What a rank that died because a peer went says (gloo, NCCL, sockets): a victim. Explicit
+# phrases only: a rank's own NCCL or I/O error (ncclUnhandledCudaError, a disk's read error,
+# a data loader's time-out) is first-hand.
+PEER_LOSS = re.compile(r"connection (reset|closed) by peer|connection refused|broken pipe|"
+                       r"failed to recv|got 0 bytes|ncclRemoteError|remote process exit|"
+                       r"socket timeout|timed out waiting .* for (recv|send)", re.IGNORECASE)  # fmt: skip
 FIRST_PLAN_S = 600.0  # for enough hosts to reach the store (torchrun's rendezvous join time-out)
 
 
@@ -200,7 +204,8 @@ class HostControl:
             lost = ({node} if cause == "node_lost" and node else set()) | self.gone
             live = live_hosts(lambda: self._answered(self.root.read_agents), hosts,
                               {self.sup.node}, window, AGENT_POLL_S, lost)  # fmt: skip
-            if prev or len(live - evicted) >= self.width:
+            # The coordinator's own host trains whatever the ledger says (it may have evicted it).
+            if prev or len(live - (evicted - {self.sup.node})) >= self.width:
                 break
             left = self._answered(lambda: self.root.get("left"))
             if left is not None:  # a host this attempt needs ended in its pre-flight
@@ -321,10 +326,12 @@ class HostControl:
             now = time.time()
             if over:  # ranks that start after the verdict (a rendezvous completing late) too
                 self._kill_local(0, signal.SIGKILL)
-                try:  # still up while our ranks go: the coordinator is planning
-                    self._answered(self._beat)
-                except ConnectionError:
-                    pass
+                prev = self._inflight
+                if prev is None or not prev.is_alive():  # never wait on a stuck store here
+                    try:  # still up while our ranks go: the coordinator is planning
+                        self._answered(self._beat)
+                    except ConnectionError:
+                        pass
                 if last:
                     return
                 continue
@@ -353,23 +360,30 @@ class HostControl:
         has passed. True when it named one (now in `out`). When our rank died first-hand (its
         own exception, or a signal: not a lost peer's symptom), the remote ranks' deaths that
         follow are its consequence: a remote crash is not named instead of it."""
-        first_hand = (out.cause in ("process_crash", "startup_failure") and out.rank is not None
-                      and not (out.error and PEER_LOSS.search(out.error)))  # fmt: skip
+        first_hand = _first_hand(out)
         deadline = time.monotonic() + AGENT_TIMEOUT_S + 1.0
         while not self.orphaned and time.monotonic() < deadline:
             try:
                 fault = self._answered(
                     lambda: (self.agent.poll_once(), self.coordinator.check(time.time()))[1]
                 )
-            except ConnectionError as e:
+            except Exception as e:  # noqa: BLE001  (a bad look: ours is named instead)
                 log.error("control store: %s", e)
                 fault = None
             if fault is not None:
                 remote_death = fault.cause in ("process_crash", "startup_failure")
                 if first_hand and remote_death and fault.node != self.sup.node:
                     return False
-                fault.onto(out, time.time())
-                self._answered(lambda f=fault: self._stop_all(attempt, out, f.describe()))
+                named = copy.copy(out)  # `out` changes only once the verdict is written
+                fault.onto(named, time.time())
+                try:
+                    self._answered(
+                        lambda f=fault, o=named: self._stop_all(attempt, o, f.describe())
+                    )
+                except Exception as e:  # noqa: BLE001
+                    log.error("control store: %s", e)
+                    return False
+                fault.onto(out, named.t_detect)
                 return True
             time.sleep(AGENT_POLL_S)
         return False
@@ -581,6 +595,18 @@ class HostControl:
                 time.sleep(AGENT_POLL_S)
         except ConnectionError:
             pass
+
+
+def _first_hand(out) -> bool:
+    """Our rank died of its own (its own exception, or killed from outside), not as a lost
+    peer's victim: then a remote death that follows is its consequence. Unknown (a SIGABRT,
+    as NCCL's watchdog ends a victim; no exception text) is not first-hand."""
+    if out.cause not in ("process_crash", "startup_failure") or out.rank is None:
+        return False
+    if out.error:
+        return not PEER_LOSS.search(out.error)
+    code = (getattr(out, "exits", None) or {}).get(out.rank)
+    return code is not None and code < 0 and code != -signal.SIGABRT
 
 
 def _verdict(out, node: str | None = None) -> dict:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -154,13 +155,23 @@ def kill_marked(marker: str) -> None:
             pass  # gone meanwhile
 
 
-def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3) -> None:
+def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3,
+                cancel: threading.Event | None = None) -> None:  # fmt: skip
     """py-spy when installed (works on a process stuck in C code), else ask each rank's
-    faulthandler (SIGUSR2, registered by the worker) to write its Python stacks to its log."""
+    faulthandler (SIGUSR2, registered by the worker) to write its Python stacks to its log.
+    The file is written rank by rank (a dump cut short keeps what it took); `cancel` set: no
+    further rank is looked at (they are being killed: their pids may be reused)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"stack dump {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    out.write_text(lines[0] + "\n")
     py_spy = shutil.which("py-spy")
     for b in sorted(beats.values(), key=lambda b: b.rank):
+        if cancel is not None and cancel.is_set():
+            lines.append("  (cut short: the ranks were stopped)")
+            break
+        with open(out, "a") as f:  # what was taken so far
+            f.write("\n".join(lines[1:]) + ("\n" if len(lines) > 1 else ""))
+        lines = lines[:1]
         state = process_state(b.pid)
         lines.append(f"rank {b.rank} pid {b.pid} step {b.step} phase {b.phase} state {state}")
         if state in ("T", "t"):
@@ -178,6 +189,7 @@ def dump_stacks(beats: dict[int, Beat], out: Path, wait_s: float = 0.3) -> None:
                 lines.append(f"  python stacks: see logs/rank{b.rank}.log (faulthandler)")
             except ProcessLookupError:
                 lines.append("  gone")
-    out.write_text("\n".join(lines) + "\n")
+    with open(out, "a") as f:
+        f.write("\n".join(lines[1:]) + ("\n" if len(lines) > 1 else ""))
     if not py_spy:
         time.sleep(wait_s)  # let faulthandler write before the ranks are killed

@@ -271,6 +271,7 @@ class Supervisor:
         stop = threading.Event()
         if self.cluster is not None:
             prev, self.nodes = self.nodes, self.attempt_nodes()
+            self.chaos.attempt_nodes = {n.name for n in self.nodes}  # a node fault's target
             if prev and (moved := [n.name for n in self.nodes if n not in prev]):
                 print(f"{self.says} hot spare {', '.join(moved)} takes the place of "
                       f"{', '.join(n.name for n in prev if n not in self.nodes)}",
