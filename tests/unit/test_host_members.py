@@ -5,6 +5,7 @@ against a real TCPStore in this process."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -182,3 +183,18 @@ def test_snapshot_inventory_and_the_step_every_rank_can_resume_from(tmp_path):
     assert (
         restorable([json.loads(json.dumps(inv["n0"])), json.loads(json.dumps(inv["n1"]))], 2) == 12
     )
+
+
+def test_a_planned_host_that_never_joins_the_attempt_is_lost(trio):
+    """n1 was planned for attempt 1 but went before it began: the coordinator names it lost
+    from the store within the agents' limit, not after torchrun's rendezvous time-out."""
+    head, n1, n2, _ = trio
+    head.plans[1] = ["n0", "n1"]
+    head.begin(1)
+    assert head.coordinator.check(time.time() + 1.0) is None  # within the limit (2 s here)
+    fault = head.coordinator.check(time.time() + 3.0)
+    assert (fault.cause, fault.node) == ("node_lost", "n1") and "never joined" in fault.detail
+    # Once it has joined, nothing is said of it.
+    n1.plans[1] = ["n0", "n1"]
+    n1.begin(1)
+    assert head.coordinator._never_joined(time.time() + 3.0) is None

@@ -64,15 +64,19 @@ class ControlFault:
 class Coordinator:
     def __init__(self, store: ControlStore, world_size: int, timeouts: Timeouts,
                  agent_timeout_s: float = 10.0, attempt: int | None = None,
-                 nodes: list[str] | None = None, home: str | None = None) -> None:  # fmt: skip
+                 nodes: list[str] | None = None, home: str | None = None,
+                 expect_s: float | None = None) -> None:  # fmt: skip
         """`attempt`: only heartbeats and exits of that attempt count (the store outlives
         attempts; None: all). Set `.attempt` again when the next attempt starts. `nodes`: the
         nodes of the attempt (None: every node registered); other agents (a spare started
-        ahead for a node evicted since) are not watched. `home`: the node the store runs on."""
+        ahead for a node evicted since) are not watched. `home`: the node the store runs on.
+        `expect_s`: a node of `nodes` whose agent has not joined this long after now is lost
+        (a host planned for the attempt that went before it began)."""
         self.store, self.world_size, self.timeouts = store, world_size, timeouts
         self.nodes = None if nodes is None else set(nodes)
         self.agent_timeout_s, self.attempt, self.home = agent_timeout_s, attempt, home
         self.monitor = HangMonitor(timeouts)
+        self.expect_s, self._t0 = expect_s, time.time()
         # node -> (beat counter, when it last advanced on our clock, the agent's poll period)
         self._heard: dict[str, tuple[int, float, float]] = {}
         # node -> that host's clock minus ours, as of its last beat (underestimated by the
@@ -96,6 +100,8 @@ class Coordinator:
                 self._heard[node] = (count, now, poll_s)
                 if beat is not None:
                     self._offset[node] = beat.t - now
+        if (never := self._never_joined(now)) is not None:
+            return never
         ranks = {r: rep for r, rep in self.store.read_ranks(self.world_size).items()
                  if self._current(rep.beat.attempt)}  # fmt: skip
         finished = _finished(ranks)
@@ -121,6 +127,17 @@ class Coordinator:
         return self.store.write_decision("stop", attempt, reason, dump=dump)
 
     # -- the rules ---------------------------------------------------------------------------
+    def _never_joined(self, now: float) -> ControlFault | None:
+        if self.expect_s is None or not self.nodes or now - self._t0 <= self.expect_s:
+            return None
+        missing = sorted(self.nodes - set(self.store.nodes()))
+        if not missing:
+            return None
+        detail = (f"planned for this attempt, its agent never joined it in {self.expect_s:.0f} s "
+                  "(the host went, or its supervisor stopped)")  # fmt: skip
+        return ControlFault("node_lost", None, missing[0], detail, t_fault=self._t0,
+                            limit_s=self.expect_s)  # fmt: skip
+
     def _current(self, attempt: int) -> bool:
         return self.attempt is None or attempt == self.attempt
 

@@ -263,9 +263,11 @@ class HostControl:
                                   orphan_s=AGENT_TIMEOUT_S,
                                   stacks_dir=Path(self.sup.run_dir) / "logs"))  # fmt: skip
             if self.coordinating:
+                planned = self.plans.get(attempt)  # a planned host that never joins is lost
                 self.coordinator = Coordinator(self.view, self.world, self.sup.timeouts,
                                                AGENT_TIMEOUT_S, attempt=attempt,
-                                               home=self.sup.node)  # fmt: skip
+                                               home=self.sup.node, nodes=planned,
+                                               expect_s=AGENT_TIMEOUT_S if planned else None)  # fmt: skip
                 self.root.put("current", {"attempt": attempt, "formed": False,
                                           "members": self.plans.get(attempt)})  # fmt: skip
         except ConnectionError as e:
