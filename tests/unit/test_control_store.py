@@ -660,3 +660,22 @@ def test_orders_without_a_store_are_one_line_and_leave_no_child(tmp_path, server
     p = _agent(server, tmp_path, "n9")
     out, err = p.communicate(b'{"argv": ["train"]}\n', timeout=60)
     assert p.returncode == 1 and "orders without a usable 'store' entry" in err.decode()
+
+
+@pytest.mark.parametrize("reaches, named", [(False, "n1"), (True, "n2")])
+def test_with_two_nodes_a_spare_witness_tells_a_cut_store_node_from_the_other_ones_loss(
+    job, reaches, named
+):
+    # The store is on n1; n2's agent goes quiet. A hot spare outside the attempt cannot reach
+    # the store either: n1's link is cut. It can: n2 is the one lost.
+    c, agents, now = job
+    c.home = "n1"
+    asked = []
+    c.witness = lambda: asked.append(1) or ("n3", reaches)
+    agents["n1"].beat_agent("n1", 0.1)
+    assert c.check(now + 0.5) is None and not asked  # n2 not late yet: nobody asked
+    agents["n1"].beat_agent("n1", 0.1)
+    f = c.check(now + 2.0)
+    assert (f.cause, f.node) == ("node_lost", named) and asked
+    if named == "n1":
+        assert "unreachable from n2 and from n3" in f.detail and f.detail.endswith("link is cut")

@@ -24,6 +24,7 @@ reason a death is named only once every node's agent has beaten twice since it w
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from wanka.control.store import DEAD_STATES, ControlStore, ExitReport, RankReport
@@ -65,18 +66,22 @@ class Coordinator:
     def __init__(self, store: ControlStore, world_size: int, timeouts: Timeouts,
                  agent_timeout_s: float = 10.0, attempt: int | None = None,
                  nodes: list[str] | None = None, home: str | None = None,
-                 expect_s: float | None = None) -> None:  # fmt: skip
+                 expect_s: float | None = None,
+                 witness: Callable[[], tuple[str, bool] | None] | None = None) -> None:  # fmt: skip
         """`attempt`: only heartbeats and exits of that attempt count (the store outlives
         attempts; None: all). Set `.attempt` again when the next attempt starts. `nodes`: the
         nodes of the attempt (None: every node registered); other agents (a spare started
         ahead for a node evicted since) are not watched. `home`: the node the store runs on.
         `expect_s`: a node of `nodes` whose agent has not joined this long after now is lost
-        (a host planned for the attempt that went before it began)."""
+        (a host planned for the attempt that went before it began). `witness()`: (a node
+        outside the attempt, whether it reaches the store now), or None without one: with a
+        single other node, it tells a cut link of the store's node from that node's loss."""
         self.store, self.world_size, self.timeouts = store, world_size, timeouts
         self.nodes = None if nodes is None else set(nodes)
         self.agent_timeout_s, self.attempt, self.home = agent_timeout_s, attempt, home
         self.monitor = HangMonitor(timeouts)
         self.expect_s, self._t0 = expect_s, time.time()
+        self.witness = witness
         # node -> (beat counter, when it last advanced on our clock, the agent's poll period)
         self._heard: dict[str, tuple[int, float, float]] = {}
         # node -> that host's clock minus ours, as of its last beat (underestimated by the
@@ -163,8 +168,10 @@ class Coordinator:
         side of a partition looks the same."""
         home = self.home
         others = [n for n in silent if n != home]
-        if home is None or len(others) < 2 or (home in silent and self._late(home, now)):
+        if home is None or not others or (home in silent and self._late(home, now)):
             return None
+        if len(others) == 1:  # either side of a partition of two looks the same: ask a third
+            return self._witnessed_cut(others[0], now)
         if not all(self._late(n, now) for n in others):
             return None
         # A cut link silences every other node at one moment (within a poll or two); nodes
@@ -178,6 +185,19 @@ class Coordinator:
                   f"({', '.join(sorted(others))}) for {quiet:.1f} s {beat}: its link is cut")  # fmt: skip
         return ControlFault("node_lost", None, home, detail,
                             t_fault=max(self._heard[n][1] for n in others),
+                            limit_s=self.agent_timeout_s)  # fmt: skip
+
+    def _witnessed_cut(self, other: str, now: float) -> ControlFault | None:
+        """One other node silent while the store's node beats: the store's node cut off if a
+        node outside the attempt (a hot spare) cannot reach the store either."""
+        if self.witness is None or not self._late(other, now):
+            return None
+        seen = self.witness()
+        if seen is None or seen[1]:
+            return None  # no witness, or it reaches the store: the silent node is the one
+        detail = (f"the control store on it was unreachable from {other} and from {seen[0]} "
+                  "(a node outside the attempt) while its own agent beat: its link is cut")  # fmt: skip
+        return ControlFault("node_lost", None, self.home, detail, t_fault=self._heard[other][1],
                             limit_s=self.agent_timeout_s)  # fmt: skip
 
     def _late(self, node: str, now: float) -> bool:

@@ -33,6 +33,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +54,7 @@ CLONE_NEWNET = 0x40000000
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # an agent this long without a beat: its node is lost
 STOP_GRACE_S = 5.0  # after a stop decision, the attempt is torn down from here if still up
+WITNESS_S = 1.0  # a spare's connection attempt to the store, when asked to witness
 STORE_START_S = 60.0  # for the store's process to say its port (it imports torch)
 T = TypeVar("T")
 
@@ -235,9 +237,35 @@ class StoreControl:
         self.store = ControlStore(s.store, s.host, s.port, f"{self.sup.job}/a{attempt}")
         self.coordinator = Coordinator(self.store, self.world, self.sup.timeouts,
                                        AGENT_TIMEOUT_S, attempt=attempt, nodes=self.nodes,
-                                       home=self.home.name)  # fmt: skip
+                                       home=self.home.name,
+                                       witness=self._witness(spare_nodes))  # fmt: skip
         for n in nodes:  # a run directory reused by a new job may hold this attempt's folder
             shutil.rmtree(self.hb_dir(n.name, host=True), ignore_errors=True)
+
+    def _witness(self, spare_nodes: list):
+        """A node outside the attempt (a hot spare) that says whether it reaches the store
+        now: with one other training node, it tells the store node's cut link from that
+        node's loss (Coordinator._witnessed_cut). None without a spare."""
+        home = self.home
+        spares = [n for n in spare_nodes if n.name != home.name]
+        if not spares:
+            return None
+        node, addr, port = spares[0], home.addr, self.server.port
+
+        def reaches() -> tuple[str, bool]:
+            def connect() -> bool:
+                try:
+                    socket.create_connection((addr, port), timeout=WITNESS_S).close()
+                    return True
+                except OSError:
+                    return False
+
+            try:
+                return node.name, in_netns(node.netns, connect)
+            except ConnectionError:  # cannot enter its namespace: no word from it
+                return node.name, True
+
+        return reaches
 
     def _attach(self, st: StoreProcess, timeout_s: float = STORE_START_S) -> bool:
         """Our client of `st` (False: not ready within timeout_s 0, or dead and dropped)."""
