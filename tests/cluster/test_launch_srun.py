@@ -115,6 +115,26 @@ def nodes_seen(run: Path) -> set[str]:
     return {e.get("node") for e in map(json.loads, lines) if e.get("kind") == "job"}
 
 
+def wait_for_step(p: subprocess.Popen, tmp: Path, step: int, poll_s: float = 0.1) -> None:
+    """Until the job has trained past `step` (it must still be running then)."""
+    deadline = time.monotonic() + 180
+    while _metrics_step(tmp / "run") < step and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    assert p.poll() is None, (tmp / "slurm.out").read_text()[-4000:]
+
+
+def kill_node_task(tmp: Path, node_index: int) -> None:
+    """SIGKILL every process of one node's task (its host went), as the stand-in srun tracks
+    them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_slurm", FAKE_SLURM)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    (step,) = (tmp / "slurm" / "steps").glob(f"{JOB_ID}.*")
+    fake.signal_tree([int(step.read_text().split()[node_index])], signal.SIGKILL)
+
+
 def test_sbatch_script_trains_across_both_nodes(cluster, tmp_path):
     script = write_script(tmp_path, steps=4, every=2)
     rc = finish(start(cluster, tmp_path, script), tmp_path)
@@ -140,10 +160,7 @@ def test_time_limit_warning_last_gasp_requeue_and_resume(cluster, tmp_path):
     script = write_script(tmp_path, steps=steps, every=1000)  # no periodic checkpoint
     run = tmp_path / "run"
     p = start(cluster, tmp_path, script)
-    deadline = time.monotonic() + 180
-    while _metrics_step(run) < 2 and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
+    wait_for_step(p, tmp_path, 2, poll_s=0.2)
     p.send_signal(signal.SIGUSR1)  # Slurm: `--signal=B:USR1@...` before the time limit
     rc = finish(p, tmp_path)
     out = (tmp_path / "slurm.out").read_text()
@@ -215,23 +232,13 @@ def test_store_control_the_coordinators_host_lost_ends_the_others_within_the_lim
     coordinates, its ranks, the control store). n1 can no longer reach the store: within the
     agents' limit (10 s) it stops its ranks and ends, naming n0, instead of waiting for a
     decision that cannot come; Slurm requeues the job (a node failure) and it resumes."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fake_slurm", FAKE_SLURM)
-    fake = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake)
     script = write_script(tmp_path, steps=400, every=1000,
                           extra=('resilience.control="store"',))  # fmt: skip
     run = tmp_path / "run"
     p = start(cluster, tmp_path, script, private_shm=True)
-    deadline = time.monotonic() + 180
-    while _metrics_step(run) < 2 and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
-    (step,) = (tmp_path / "slurm" / "steps").glob(f"{JOB_ID}.*")
-    n0_task = int(step.read_text().split()[0])
+    wait_for_step(p, tmp_path, 2)
     t_kill = time.monotonic()
-    fake.signal_tree([n0_task], signal.SIGKILL)
+    kill_node_task(tmp_path, 0)
     rc = finish(p, tmp_path, timeout=120)
     took = time.monotonic() - t_kill
     out = (tmp_path / "slurm.out").read_text()

@@ -12,7 +12,14 @@ import time
 
 import pytest
 
-from tests.cluster.test_launch_srun import _metrics_step, finish, shm_of, start, write_script
+from tests.cluster.test_launch_srun import (
+    finish,
+    kill_node_task,
+    shm_of,
+    start,
+    wait_for_step,
+    write_script,
+)
 from wanka.cluster.fixtures import cluster_up, skip_unless_available
 from wanka.resilience.heartbeat import read_all
 
@@ -28,14 +35,11 @@ def cluster():
 
 def _kill_a_rank_on(cluster, tmp, node: str, p, at_step: int = 3) -> int:
     """SIGKILL a rank of `node` (found in its own /dev/shm) once training passed `at_step`."""
-    run = tmp / "run"
     n = next(x for x in cluster.state.nodes if x.name == node)
     hb = shm_of(n) / "wanka-control" / f"{JOB_ID}.0" / node / "attempt1"
-    deadline = time.monotonic() + 180
-    while _metrics_step(run) < at_step and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for_step(p, tmp, at_step)
     beats = read_all(hb)
-    assert beats and p.poll() is None, (tmp / "slurm.out").read_text()[-4000:]
+    assert beats, (tmp / "slurm.out").read_text()[-4000:]
     rank = min(beats)
     os.kill(beats[rank].pid, signal.SIGKILL)
     return rank
@@ -50,6 +54,18 @@ def _faults_and_resumes(run):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     resumes = [(r["source"], r["step"]) for r in rows if r.get("kind") == "resume"]
     return faults, evicts, resumes
+
+
+def _resumed_from_foreseen_snapshot(out: str, resumes: list) -> int:
+    """n2 took n1's place and the ranks resumed from the in-memory snapshots, at the step the
+    coordinator foresaw from the hosts' snapshot inventories in the store; returns it."""
+    [(source, step)] = resumes
+    assert source == "memory", resumes  # the same world: snapshots, not the disk
+    assert (
+        "next attempt on n0, n2: n2 takes the place of n1; the ranks resume from the "
+        f"in-memory snapshots of step {step}"
+    ) in out, out[-4000:]
+    return step
 
 
 def test_a_hot_spare_takes_an_evicted_hosts_place_and_the_job_finishes(cluster, tmp_path):
@@ -72,14 +88,7 @@ def test_a_hot_spare_takes_an_evicted_hosts_place_and_the_job_finishes(cluster, 
     run = tmp_path / "run"
     faults, evicts, resumes = _faults_and_resumes(run)
     assert faults == [("process_crash", "n1")] and evicts == ["n1"]
-    # The same world: from the snapshots, not the disk, at the step the coordinator foresaw
-    # from the hosts' snapshot inventories in the store.
-    [(source, step)] = resumes
-    assert source == "memory", resumes
-    assert (
-        "next attempt on n0, n2: n2 takes the place of n1; the ranks resume from the "
-        f"in-memory snapshots of step {step}"
-    ) in out, out[-4000:]
+    _resumed_from_foreseen_snapshot(out, resumes)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
     for i in range(3):  # every task ended 0: the evicted host and the spare too
@@ -115,26 +124,14 @@ def test_a_killed_host_is_replaced_by_the_spare_within_the_job(cluster, tmp_path
     snapshots (n1's from the copy its buddy kept) and the job finishes. srun's own status is
     the killed task's (128 + 9); the script exits with the coordinator's word instead (0), so
     a lost host hides neither a finished job nor a last gasp's requeue."""
-    import importlib.util
-
-    from tests.cluster.test_launch_srun import FAKE_SLURM
-
-    spec = importlib.util.spec_from_file_location("fake_slurm", FAKE_SLURM)
-    fake = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake)
     steps = 40
     extra = ('resilience.control="store"', "resilience.spare_nodes=1")
     script = write_script(tmp_path, steps=steps, every=1000, extra=extra, nodes=3)
     run = tmp_path / "run"
     p = start(cluster, tmp_path, script, private_shm=True)
-    deadline = time.monotonic() + 180
-    while _metrics_step(run) < 4 and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert p.poll() is None, (tmp_path / "slurm.out").read_text()[-4000:]
-    (step,) = (tmp_path / "slurm" / "steps").glob(f"{JOB_ID}.*")
-    n1_task = int(step.read_text().split()[1])
+    wait_for_step(p, tmp_path, 4)
     t_kill = time.time()
-    fake.signal_tree([n1_task], signal.SIGKILL)
+    kill_node_task(tmp_path, 1)
     rc = finish(p, tmp_path)
     out = (tmp_path / "slurm.out").read_text()
     assert rc == 0, out[-4000:]
@@ -143,12 +140,7 @@ def test_a_killed_host_is_replaced_by_the_spare_within_the_job(cluster, tmp_path
     assert "task 2: Exited" not in out, out[-4000:]
     faults, evicts, resumes = _faults_and_resumes(run)
     assert faults == [("node_lost", "n1")] and evicts == []
-    [(source, step)] = resumes
-    assert source == "memory", resumes  # n1's ranks' copies were kept by their buddies
-    assert (
-        "next attempt on n0, n2: n2 takes the place of n1; the ranks resume from the "
-        f"in-memory snapshots of step {step}"
-    ) in out, out[-4000:]
+    step = _resumed_from_foreseen_snapshot(out, resumes)  # n1's copies: kept by its buddy
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == steps and summary["world_size"] == 2
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -340,7 +340,7 @@ class HostControl:
             try:
                 # publishes; a stop decision kills our ranks. Never a last look that names a
                 # death without waiting for the other hosts' beats: conclude() settles it.
-                over = self._answered(functools.partial(self._poll, attempt, out, now, False))
+                over = self._answered(functools.partial(self._poll, attempt, out, now))
                 failing = False
             except ConnectionError as e:
                 if not failing:
@@ -390,7 +390,7 @@ class HostControl:
             time.sleep(AGENT_POLL_S)
         return False
 
-    def _poll(self, attempt: int, out, now: float, final: bool) -> bool:
+    def _poll(self, attempt: int, out, now: float) -> bool:
         """One look; True once the attempt is over (a verdict). Runs under _answered's
         deadline: a late one (the store answered after we gave up on it) changes nothing."""
         if self.orphaned:
@@ -428,7 +428,7 @@ class HostControl:
         ):
             self._formed = True  # every host is in: a host starting now joins the next one
             self.root.put("current", {"attempt": attempt, "formed": True, "members": hosts})
-        fault = self.coordinator.check(now, final=final)
+        fault = self.coordinator.check(now)
         if fault is None:
             return False
         fault.onto(out, now)
