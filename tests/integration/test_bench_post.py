@@ -17,7 +17,13 @@ def test_bench_post_quick_runs_every_phase_and_reuses_them(tmp_path):
     r = wanka("bench", "post", "--quick", "--out", str(out), timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads((out / "post.json").read_text())
-    assert set(result["runs"]) == {"mopd", "single_code", "offpolicy_mixed", "sft_teacher_samples"}
+    assert set(result["runs"]) == {
+        "mopd",
+        "mopd_forward_kl",
+        "single_code",
+        "offpolicy_mixed",
+        "sft_teacher_samples",
+    }
     assert set(result["best_teacher"]) == {"code", "prose"}
     assert len(result["rl"]["seeds"]) == 2 and "compute to reach" in r.stdout
     again = wanka("bench", "post", "--quick", "--out", str(out), timeout=600)

@@ -57,6 +57,8 @@ def base(tmp_path_factory) -> Path:
         ("sft", ["post.sft_source=teachers", "post.teachers="], "post.teachers is empty"),
         ("sft", ["post.sft_source=web"], "post.sft_source"),
         ("sft", ["post.init="], "post.init is empty"),
+        ("draft", ["post.speculate=0"], "post.speculate=0"),
+        ("draft", ["post.temperature=0"], "must be > 0"),
     ],
 )
 def test_bad_post_training_input_is_one_line(command, overrides, says, tmp_path, capsys):
@@ -155,3 +157,31 @@ def test_sft_on_references_and_on_teacher_samples(base, tmp_path):
     evals = [x for x in rows if x["kind"] == "eval"]
     assert {"val_loss/code", "val_loss/prose"} <= set(evals[-1])
     assert (out / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_draft_tunes_only_the_mtp_module_and_measures_acceptance(base, tmp_path):
+    """`wanka draft`: the MTP module learns the frozen main model's own predictions; held-out
+    evals decode speculatively and log acceptance; the run directory decodes like any other."""
+    from wanka.infer.load import load_trained
+
+    out = tmp_path / "draft"
+    given = [f"post.init={base}", "train.steps=2", "checkpoint.every=2", "train.eval_every=2",
+             "post.completion_tokens=8", "post.eval_prompts=2", "post.prompts_per_step=2",
+             "run.tensorboard=false", "resilience.supervise=false", f"run.dir={out}"]  # fmt: skip
+    r = wanka("draft", "configs/draft.toml", *sets(*given))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in rows if x["kind"] == "eval"]
+    assert [x["step"] for x in evals] == [0, 2]
+    for e in evals:
+        assert 0.0 <= e["val_acceptance/draft2"] <= e["val_acceptance/draft1"] <= 1.0
+        assert 1.0 <= e["val_mean_acceptance_length"] <= 3.0 and e["val_mtp_kl"] >= 0.0
+    train = [x for x in rows if x["kind"] == "train"]
+    assert len(train) == 2 and all(x["loss"] >= 0.0 and x["mtp_positions"] > 0 for x in train)
+    before, _, _ = load_trained(base)
+    after, cfg, _ = load_trained(out)
+    assert cfg.model == before.cfg
+    b, a = before.state_dict(), after.state_dict()
+    main = [k for k in b if not k.startswith("mtp.")]
+    assert main and all(torch.equal(b[k], a[k]) for k in main), "the main model must not move"
+    assert any(not torch.equal(b[k], a[k]) for k in b if k.startswith("mtp.")), "MTP unchanged"

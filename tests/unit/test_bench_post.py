@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from wanka.bench.post import PostBenchPlan, at_tokens, check_plan, summarize, table, tokens_to_reach
+from wanka.bench.post import (
+    PostBenchPlan,
+    at_tokens,
+    check_plan,
+    mopd_runs,
+    summarize,
+    table,
+    tokens_to_reach,
+)
 
 
 def _write(run: Path, rows: list[dict]) -> None:
@@ -109,7 +117,38 @@ def test_a_run_that_stops_before_equal_compute_is_flagged(tmp_path):
     assert at_tokens(points, 501, ["code"]) is None
 
 
-@pytest.mark.parametrize("field", ["rl_seeds", "student_steps", "prompts_per_step", "sft_factor"])
+def test_each_mopd_divergence_is_measured_against_sft_at_its_own_loss(bench):
+    # Forward KL on the student's own samples: below MOPD's curve; SFT reaches its final mean
+    # loss (2.5) only at step 60 (3600 tokens) while it got there at step 20 (2000).
+    _student(bench / "mopd_forward_kl", [(3.0, 4.0), (2.4, 3.3), (2.1, 2.9)], per_step=100)
+    s = summarize(bench, PostBenchPlan(rl_seeds=0))
+    fkl = s["runs"]["mopd_forward_kl"]
+    assert fkl["gap_closed"]["code"] == pytest.approx(0.9)
+    assert fkl["gap_closed"]["prose"] == pytest.approx(1.1)
+    c = s["compute_to_loss"]["mopd_forward_kl"]
+    assert c["target_mean_val_loss"] == pytest.approx(2.5) and c["tokens"]["mopd"] is None
+    assert c["tokens"]["sft_teacher_samples"] is None  # SFT's best mean is 2.65: never there
+    assert c["sft_over_run"] is None
+    assert s["compute_to_loss"]["mopd"]["sft_over_run"] == pytest.approx(1.8)
+    assert s["compute_to_mopd_loss"]["sft_over_mopd"] == pytest.approx(1.8)
+    assert s["rl"] is None  # --rl-seeds 0: no RL phase, none read
+    text = "\n".join(table(s))
+    assert "rl: not run" in text and "SFT / mopd = 1.80x" in text
+    assert "compute to reach mopd_forward_kl's mean held-out loss 2.5000" in text
+
+
+def test_mopd_divergences_name_the_runs_and_reverse_kl_is_required():
+    assert mopd_runs(PostBenchPlan()) == {"mopd": "reverse_kl", "mopd_forward_kl": "forward_kl"}
+    assert mopd_runs(PostBenchPlan(mopd_divergences="reverse_kl")) == {"mopd": "reverse_kl"}
+    for bad in ("forward_kl", "reverse_kl,jsd", ""):
+        with pytest.raises(ValueError, match="--mopd-divergences"):
+            check_plan(PostBenchPlan(mopd_divergences=bad))
+    check_plan(PostBenchPlan(rl_seeds=0))  # 0 seeds: no RL, allowed
+    with pytest.raises(ValueError, match="--rl-seeds=-1"):
+        check_plan(PostBenchPlan(rl_seeds=-1))
+
+
+@pytest.mark.parametrize("field", ["student_steps", "prompts_per_step", "sft_factor"])
 def test_a_plan_with_nothing_to_run_is_refused_up_front(field):
     with pytest.raises(ValueError, match=f"--{field.replace('_', '-')}=0"):
         check_plan(PostBenchPlan(**{field: 0}))

@@ -261,3 +261,46 @@ def test_flavors_build_on_meta_and_report_sizes():
         FLAVORS["x25-293b"], dp_shard=160, ep=40, seq_len=8192, micro_batch_size=1
     )
     assert mem2["params_and_optimizer"] == pytest.approx(mem["params_and_optimizer"] / 2, rel=0.01)
+
+
+def test_mtp_self_target_is_the_main_models_own_distribution_ahead():
+    """mtp_self: depth 1 at t learns KL(main at t+1 || MTP at t) at positions whose label one
+    ahead is valid (same document); the main model's side is a detached target."""
+    import torch.nn.functional as F
+
+    m = _model()
+    positions, doc_ids = _inputs(docs=((0, 10), (10, 24)))
+    tokens = torch.randint(0, 256, (2, 24))
+    labels = torch.roll(tokens, -1, 1)
+    labels[:, 9] = labels[:, 23] = -100  # each document's last token has no next token
+    parts = m(tokens, positions, doc_ids, labels, mtp_self=True)
+    # The same quantity by hand: main logits and MTP logits of a plain forward.
+    with torch.no_grad():
+        h = m.tok_embeddings(tokens)
+        ropes = {"attn": m.rope_attn, "index": m.rope_index}
+        indices = None
+        for blk in m.layers.values():
+            h, aux, _ = blk(h, positions, doc_ids, ropes, indices, "sparse", None)
+            indices = aux.indices if aux.indices is not None else indices
+        main = m._logits(m.norm(h))
+        mtp = m.mtp[0]
+        ahead = m.tok_embeddings(torch.nn.functional.pad(tokens[:, 1:], (0, 1)))
+        g = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(ahead)], -1))
+        g, _, _ = mtp.block(g, positions, doc_ids, ropes, indices, "sparse", None)
+        draft = m._logits(mtp.norm(g))
+    valid = mtp_labels(labels, doc_ids, 1) != -100
+    assert valid.sum() == 2 * (8 + 12)  # not the last two tokens of each document
+    want = 0.0
+    for b, t in valid.nonzero().tolist():
+        p = F.log_softmax(main[b, t + 1], -1)
+        q = F.log_softmax(draft[b, t], -1)
+        want += float((p.exp() * (p - q)).sum())
+    assert int(parts.mtp_count) == int(valid.sum())
+    assert float(parts.mtp_sum.detach()) == pytest.approx(want, rel=1e-4)
+    parts.mtp_sum.backward()
+    # The final norm shapes the main logits only (MTP reads the hidden state before it): the
+    # target side is detached, so it gets no gradient.
+    assert m.norm.weight.grad is None or m.norm.weight.grad.abs().sum() == 0
+    assert m.mtp[0].proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="mtp_self"):
+        m(tokens, positions, doc_ids, labels, mtp_self=True, return_logits=True)

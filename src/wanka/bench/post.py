@@ -39,8 +39,11 @@ class PostBenchPlan:
     student_steps: int = 200
     sft_factor: int = 4  # the SFT baseline runs this many times the students' steps
     single_teachers: str = "code"  # single-teacher baselines to run ("code,prose": both)
+    # MOPD's divergences: "mopd" is reverse KL (the default of `wanka distill`); each other
+    # one runs as mopd_<divergence> (GKD's forward KL on the student's own samples).
+    mopd_divergences: str = "reverse_kl,forward_kl"
     rl_steps: int = 80
-    rl_seeds: int = 3
+    rl_seeds: int = 3  # 0: no RL phases
     rl_reward: str = "python_lines"  # graded: the tiny base never earns python_parses
     prompts_per_step: int = 8
     eval_every: int = 10
@@ -65,10 +68,26 @@ def add_bench_post_parser(b) -> None:
     p.set_defaults(fn=run_bench_post)
 
 
+MOPD_DIVERGENCES = ("reverse_kl", "forward_kl")
+
+
+def mopd_runs(plan: PostBenchPlan) -> dict[str, str]:
+    """{run name: divergence} of the MOPD students; reverse KL's run is plain "mopd"."""
+    divs = [x.strip() for x in plan.mopd_divergences.split(",") if x.strip()]
+    return {"mopd" if d == "reverse_kl" else f"mopd_{d}": d for d in divs}
+
+
 def check_plan(plan: PostBenchPlan) -> None:
     for name, value in asdict(plan).items():
-        if isinstance(value, int | float) and not value > 0:
+        if isinstance(value, int | float) and not value > 0 and name != "rl_seeds":
             raise ValueError(f"--{name.replace('_', '-')}={value}: must be > 0")
+    if plan.rl_seeds < 0:
+        raise ValueError(f"--rl-seeds={plan.rl_seeds}: must be >= 0 (0 runs no RL)")
+    divs = [x.strip() for x in plan.mopd_divergences.split(",") if x.strip()]
+    if "reverse_kl" not in divs or set(divs) - set(MOPD_DIVERGENCES):
+        raise ValueError(f"--mopd-divergences={plan.mopd_divergences!r}: a list of "
+                         f"{', '.join(MOPD_DIVERGENCES)} that includes reverse_kl (the "
+                         "reference every other run is measured against)")  # fmt: skip
     try:
         load_reward(plan.rl_reward)
     except ValueError as e:
@@ -199,28 +218,35 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
             runs[name]["reverse_kl"] = at_tokens(rkl, equal_tokens, domains) or {
                 d: rkl[-1][d] for d in domains
             }  # fmt: skip
-    target = statistics.fmean(runs["mopd"]["val_loss"][d] for d in domains)
-    reach = {name: tokens_to_reach(points, domains, target) for name, points in students.items()}
-    ratio = None
-    mopd_at, sft_at = reach.get("mopd"), reach.get("sft_teacher_samples")
-    if mopd_at is not None and sft_at is not None and mopd_at > 0:
-        ratio = sft_at / mopd_at
+    # Compute each run needs to reach an on-policy run's loss (its mean over the domains at
+    # equal compute), and SFT's over the on-policy run's: the issue's ">= 2x less compute".
+    compute_to = {}
+    for name in (n for n in students if n.startswith("mopd")):
+        target = statistics.fmean(runs[name]["val_loss"][d] for d in domains)
+        reach = {n: tokens_to_reach(points, domains, target) for n, points in students.items()}
+        own, sft_at = reach.get(name), reach.get("sft_teacher_samples")
+        ratio = sft_at / own if own and sft_at is not None else None
+        compute_to[name] = {"target_mean_val_loss": target, "tokens": reach, "sft_over_run": ratio}
     rl = {}
     for seed in range(plan.rl_seeds):
         pts = curve(out / f"rl-seed{seed}", "val_")
         rl[seed] = {"start": pts[0]["reward"], "final": pts[-1]["reward"], "curve": pts}
     finals = [v["final"] for v in rl.values()]
+    mopd = compute_to["mopd"]
     return {
         "student_start": {d: start[d] for d in domains},
         "teachers": teachers,
         "best_teacher": best,
         "runs": runs,
         "compute_to_mopd_loss": {
-            "target_mean_val_loss": target,
-            "tokens": reach,
-            "sft_over_mopd": ratio,
+            "target_mean_val_loss": mopd["target_mean_val_loss"],
+            "tokens": mopd["tokens"],
+            "sft_over_mopd": mopd["sft_over_run"],
         },  # fmt: skip
-        "rl": {
+        "compute_to_loss": compute_to,
+        "rl": None
+        if not rl
+        else {
             "reward": plan.rl_reward,
             "seeds": rl,
             "start": statistics.fmean(v["start"] for v in rl.values()),
@@ -230,7 +256,14 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
     }
 
 
-STUDENT_RUNS = ("mopd", "single_code", "single_prose", "offpolicy_mixed", "sft_teacher_samples")
+STUDENT_RUNS = (
+    "mopd",
+    *(f"mopd_{d}" for d in MOPD_DIVERGENCES[1:]),
+    "single_code",
+    "single_prose",
+    "offpolicy_mixed",
+    "sft_teacher_samples",
+)
 # Forward-token equivalents per step, relative to MOPD's, for runs that skip sampling: they run
 # this many more steps so that their curve reaches MOPD's compute (read off by interpolation).
 CHEAPER_STEPS = {"offpolicy_mixed": 1.25}
@@ -269,7 +302,9 @@ def run_bench_post(args: argparse.Namespace) -> int:
     teacher = {d: out / f"teacher-{d}" for d in ("code", "prose")}
     both = f"code={teacher['code']},prose={teacher['prose']}"
     S = plan.student_steps
-    run("mopd", "distill", S, post__teachers=both)
+    for name, div in mopd_runs(plan).items():
+        extra = {} if div == "reverse_kl" else {"post__divergence": div}
+        run(name, "distill", S, post__teachers=both, **extra)
     for d in (x.strip() for x in plan.single_teachers.split(",") if x.strip()):
         run(f"single_{d}", "distill", S, post__teachers=f"code={teacher[d]},prose={teacher[d]}")
     run("offpolicy_mixed", "distill", round(S * CHEAPER_STEPS["offpolicy_mixed"]),
@@ -309,11 +344,14 @@ def table(result: dict) -> list[str]:
         if "reverse_kl" in r:
             lines.append(f"{name}: held-out KL(student || teacher) on its own samples: "
                          + ", ".join(f"{d} {r['reverse_kl'][d]:.4f}" for d in domains))  # fmt: skip
-    c = result["compute_to_mopd_loss"]
-    lines.append(f"compute to reach mean held-out loss {c['target_mean_val_loss']:.4f}: "
-                 + ", ".join(f"{k} {'not reached' if v is None else f'{v:.0f}'}" for k, v in c["tokens"].items())
-                 + (f"; SFT / MOPD = {c['sft_over_mopd']:.2f}x" if c["sft_over_mopd"] else ""))  # fmt: skip
+    for name, c in result["compute_to_loss"].items():
+        lines.append(f"compute to reach {name}'s mean held-out loss {c['target_mean_val_loss']:.4f}: "
+                     + ", ".join(f"{k} {'not reached' if v is None else f'{v:.0f}'}" for k, v in c["tokens"].items())
+                     + (f"; SFT / {name} = {c['sft_over_run']:.2f}x" if c["sft_over_run"] else ""))  # fmt: skip
     rl = result["rl"]
+    if rl is None:
+        lines.append("rl: not run (--rl-seeds 0)")
+        return lines
     lines.append(f"rl held-out reward ({rl.get('reward', 'python_parses')}): start {rl['start']:.3f}, final {rl['final_mean']:.3f} "
                  f"+- {rl['final_std']:.3f} over {len(rl['seeds'])} seeds ("
                  + ", ".join(f"{v['final']:.3f}" for v in rl["seeds"].values()) + ")")  # fmt: skip

@@ -208,8 +208,9 @@ class ResilienceConfig:
 
 @dataclass
 class PostConfig:
-    """Post-training: `wanka distill` (on-policy distillation from domain teachers) and
-    `wanka rl` (GRPO with a verifiable reward); see docs/POST_TRAINING.md. Optimiser,
+    """Post-training: `wanka distill` (on-policy distillation from domain teachers),
+    `wanka rl` (GRPO with a verifiable reward), `wanka sft`, and `wanka draft` (MTP modules
+    tuned to draft for their own main model); see docs/POST_TRAINING.md. Optimiser,
     steps, seed and logging come from [train], sharding from [parallel]."""
 
     init: str = ""  # run directory whose newest checkpoint the policy starts from
@@ -236,6 +237,7 @@ class PostConfig:
     clip_eps: float = 0.2  # rl: PPO ratio clip (acts when updates_per_batch > 1)
     updates_per_batch: int = 1  # rl: optimizer steps on each batch of samples (PPO epochs)
     kl_coef: float = 0.04  # rl: KL to the frozen initial policy
+    speculate: int = 2  # draft: drafts per round of the held-out speculative decoding
     eval_prompts: int = 16  # held-out prompts per domain for the eval
 
 

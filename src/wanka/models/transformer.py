@@ -133,11 +133,19 @@ class Transformer(nn.Module):
         phase: str = "sparse",
         layout=None,
         return_logits: bool = False,
+        mtp_self: bool = False,
     ) -> LossParts:
         """layout: None, or a CPLayout when the rows are split over a context-parallel group
         (it also carries the tokens and labels MTP looks ahead to, held by other ranks).
         return_logits: also return the main head's logits and skip MTP (post-training scores
-        every vocabulary entry; through forward so that FSDP's hooks gather the weights)."""
+        every vocabulary entry; through forward so that FSDP's hooks gather the weights).
+        mtp_self: MTP depth d at t learns the main model's own (detached) next-token
+        distribution at t + d, KL(main || MTP), instead of the label there: the drafts that
+        speculative decoding keeps are the ones the main model would have chosen
+        (`wanka draft`). Needs the whole rows on this rank (no layout)."""
+        if mtp_self and (layout is not None or return_logits):
+            raise ValueError("mtp_self needs the main logits of whole rows: no context "
+                             "parallel layout, no return_logits")  # fmt: skip
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         h = self.tok_embeddings(tokens)
         indices, kl_sum, kl_count, moe_losses = None, h.new_zeros(()), 0, []
@@ -162,7 +170,10 @@ class Transformer(nn.Module):
             h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
             h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase, layout)
             target = mtp_labels(labels, doc_ids, d) if layout is None else layout.mtp_labels[d - 1]
-            s, c = _ce(self._logits(mtp.norm(h)), target)
+            if mtp_self:
+                s, c = _kl_to_main(self._logits(mtp.norm(h)), logits, target != -100, d)
+            else:
+                s, c = _ce(self._logits(mtp.norm(h)), target)
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
 
         if moe_losses:
@@ -206,6 +217,17 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch
         logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum"
     )
     return s, (flat != -100).sum()
+
+
+def _kl_to_main(mtp_logits: torch.Tensor, main_logits: torch.Tensor, valid: torch.Tensor,
+                d: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Sum over valid t of KL(main at t + d || MTP at t), fp32, the main side detached."""
+    target = main_logits.detach()[:, d:][valid[:, : valid.shape[1] - d]]
+    pred = mtp_logits[valid]
+    logp_main = F.log_softmax(target.float(), dim=-1)
+    logp_mtp = F.log_softmax(pred.float(), dim=-1)
+    s = (logp_main.exp() * (logp_main - logp_mtp)).sum()
+    return s, valid.sum()
 
 
 def _shift(x: torch.Tensor, d: int, fill: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`wanka distill|rl|sft CONFIG`: post-training from a trained run directory,
+"""`wanka distill|rl|sft|draft CONFIG`: post-training from a trained run directory,
 on N local ranks through torchrun (or across nodes with torchrun's rendezvous flags)."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ HELP = {
     "distill": "on-policy distillation from one teacher per prompt domain (MOPD, GKD knobs)",
     "rl": "GRPO policy optimisation with a verifiable reward (e.g. Python that parses)",
     "sft": "supervised fine-tuning on tagged prompts: corpus continuations or teacher samples",
+    "draft": "tune the MTP module(s) to draft for their own (frozen) main model: speculative "
+    "decoding keeps more drafts",
 }
 
 
@@ -87,6 +89,10 @@ def _module(cmd: str):
         from wanka.post import sft
 
         return sft
+    if cmd == "draft":
+        from wanka.post import draft
+
+        return draft
     from wanka.post import rl
 
     return rl

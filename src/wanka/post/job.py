@@ -98,7 +98,8 @@ class PostJob:
 
 def setup(cfg: JobConfig, command: str) -> PostJob:
     """Process group, meshes, the policy loaded from post.init, prompts; resumes from
-    run.dir's newest checkpoint when there is one."""
+    run.dir's newest checkpoint when there is one. `wanka draft` trains the MTP modules only;
+    the other commands train everything else."""
     p = cfg.post
     device_type = resolve_device_type(cfg.run.device)
     if not dist.is_initialized():
@@ -122,8 +123,9 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     torch.manual_seed(cfg.train.seed)
     dtype = autocast_dtype(device_type, cfg.train.mixed_precision)
     policy = build_sharded(cfg.model, dims, device, cfg.train.seed, dtype)
-    for param in policy.mtp.parameters():  # post-training scores the main head only
-        param.requires_grad_(False)
+    mtp = {id(x) for x in policy.mtp.parameters()}
+    for param in policy.parameters():  # post-training scores the main head only; draft, MTP
+        param.requires_grad_((id(param) in mtp) == (command == "draft"))
     optimizer = build_optimizer(policy, cfg.train)
     ckpt = Checkpointer(run_dir / "checkpoints", policy, optimizer, cfg.checkpoint.keep,
                         False, rank == 0)  # fmt: skip
