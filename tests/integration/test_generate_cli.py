@@ -108,10 +108,10 @@ def test_bench_decode_writes_its_table(run_dir, tmp_path):
 
 
 def test_bench_decode_sampled_reports_acceptance_without_claiming_equal_output(run_dir, tmp_path):
-    from wanka.bench.decode import distinct_4grams
+    from wanka.infer.generate import distinct_4grams
 
     assert distinct_4grams([[7] * 12]) == pytest.approx(1 / 9, abs=1e-4)  # one 4-gram, 9 times
-    assert distinct_4grams([list(range(12)), []]) == 1.0
+    assert distinct_4grams([list(range(12)), []]) == 1.0 and distinct_4grams([[1, 2]]) is None
     out = tmp_path / "decode.json"
     r = wanka("bench", "decode", str(run_dir), "--prompts", "2", "--prompt-tokens", "32",
               "--new-tokens", "8", "--batches", "1", "--contexts", "", "--temperature", "1",
@@ -123,5 +123,7 @@ def test_bench_decode_sampled_reports_acceptance_without_claiming_equal_output(r
     assert sped["same_output_as_plain"] is None and "sampled" in r.stdout
     assert 0.0 <= sped["acceptance_rate"][1] <= 1.0 and sped["mean_acceptance_length"] >= 1
     assert 0.0 < plain["distinct_4grams"] <= 1.0
-    bad = wanka("bench", "decode", str(run_dir), "--temperature", "-1", "--contexts", "")
-    assert bad.returncode == 2 and "negative" in bad.stderr
+    for flag, value in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0")):
+        bad = wanka("bench", "decode", str(run_dir), flag, value, "--contexts", "")
+        assert bad.returncode == 2 and f"{flag} " in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

@@ -160,15 +160,16 @@ def test_sft_on_references_and_on_teacher_samples(base, tmp_path):
 
 
 def test_draft_tunes_only_the_mtp_module_and_measures_acceptance(base, tmp_path):
-    """`wanka draft`: the MTP module learns the frozen main model's own predictions; held-out
-    evals decode speculatively and log acceptance; the run directory decodes like any other."""
+    """`wanka draft` on 2 ranks: the MTP module learns the frozen main model's own predictions;
+    held-out evals decode speculatively and log acceptance; the run directory decodes like any
+    other."""
     from wanka.infer.load import load_trained
 
     out = tmp_path / "draft"
     given = [f"post.init={base}", "train.steps=2", "checkpoint.every=2", "train.eval_every=2",
              "post.completion_tokens=8", "post.eval_prompts=2", "post.prompts_per_step=2",
              "run.tensorboard=false", "resilience.supervise=false", f"run.dir={out}"]  # fmt: skip
-    r = wanka("draft", "configs/draft.toml", *sets(*given))
+    r = wanka("draft", "configs/draft.toml", "--nproc", "2", *sets(*given))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in rows if x["kind"] == "eval"]
@@ -176,6 +177,7 @@ def test_draft_tunes_only_the_mtp_module_and_measures_acceptance(base, tmp_path)
     for e in evals:
         assert 0.0 <= e["val_acceptance/draft2"] <= e["val_acceptance/draft1"] <= 1.0
         assert 1.0 <= e["val_mean_acceptance_length"] <= 3.0 and e["val_mtp_kl"] >= 0.0
+        assert 0.0 < e["val_distinct_4grams"] <= 1.0  # sampled text, scored beside acceptance
     train = [x for x in rows if x["kind"] == "train"]
     assert len(train) == 2 and all(x["loss"] >= 0.0 and x["mtp_positions"] > 0 for x in train)
     before, _, _ = load_trained(base)

@@ -118,8 +118,8 @@ def test_a_run_that_stops_before_equal_compute_is_flagged(tmp_path):
 
 
 def test_each_mopd_divergence_is_measured_against_sft_at_its_own_loss(bench):
-    # Forward KL on the student's own samples: below MOPD's curve; SFT reaches its final mean
-    # loss (2.5) only at step 60 (3600 tokens) while it got there at step 20 (2000).
+    # Forward KL on the student's own samples: below MOPD's curve; its mean loss at equal
+    # compute (2.5) is below SFT's best (2.65), so SFT never reaches it.
     _student(bench / "mopd_forward_kl", [(3.0, 4.0), (2.4, 3.3), (2.1, 2.9)], per_step=100)
     s = summarize(bench, PostBenchPlan(rl_seeds=0))
     fkl = s["runs"]["mopd_forward_kl"]
@@ -135,6 +135,9 @@ def test_each_mopd_divergence_is_measured_against_sft_at_its_own_loss(bench):
     text = "\n".join(table(s))
     assert "rl: not run" in text and "SFT / mopd = 1.80x" in text
     assert "compute to reach mopd_forward_kl's mean held-out loss 2.5000" in text
+    # A plan without the forward-KL run ignores the directory another plan left behind.
+    only = summarize(bench, PostBenchPlan(rl_seeds=0, mopd_divergences="reverse_kl"))
+    assert "mopd_forward_kl" not in only["runs"] and set(only["compute_to_loss"]) == {"mopd"}
 
 
 def test_mopd_divergences_name_the_runs_and_reverse_kl_is_required():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -50,20 +51,9 @@ def heldout_prompts(n: int, length: int) -> list[list[int]]:
     raise ValueError(f"the validation split has fewer than {n} documents of {length} bytes")
 
 
-def distinct_4grams(outputs: list[list[int]]) -> float:
-    """Mean share of distinct 4-grams per completion: near 0 for text stuck in a loop (which
-    any drafter predicts), so acceptance figures can be read against it."""
-    shares = []
-    for o in outputs:
-        grams = [tuple(o[i : i + 4]) for i in range(len(o) - 3)]
-        if grams:
-            shares.append(len(set(grams)) / len(grams))
-    return round(sum(shares) / len(shares), 4) if shares else 0.0
-
-
 def _decode_case(model, prompts, batch: int, speculate: int, new_tokens: int,
                  sampling=None) -> dict:  # fmt: skip
-    from wanka.infer.generate import Generator
+    from wanka.infer.generate import Generator, distinct_4grams
 
     t0, outs, stats = time.perf_counter(), [], []
     for i in range(0, len(prompts), batch):
@@ -135,6 +125,10 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     for flag in ("prompts", "prompt_tokens", "new_tokens"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1 or more")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature {args.temperature}: use 0 (greedy) or a positive number")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p {args.top_p}: the nucleus mass is in (0, 1]")
     import torch
 
     from wanka.infer.load import load_trained
@@ -200,4 +194,4 @@ def _row(c: dict) -> str:
         acc = f" | acceptance {c['acceptance_rate']} | mean length {c['mean_acceptance_length']}"
     return (f"batch {c['batch']} {spec:12s} | {c['tokens_per_s']:8.1f} tok/s | "
             f"{c['latency_ms_per_token']:7.1f} ms/token | distinct 4-grams "
-            f"{c['distinct_4grams']:.2f}{acc}")  # fmt: skip
+            f"{c['distinct_4grams']}{acc}")  # fmt: skip

@@ -191,7 +191,10 @@ def tokens_to_reach(points: list[dict], domains: list[str], target: float) -> fl
 
 
 def summarize(out: Path, plan: PostBenchPlan) -> dict:
-    students = {name: curve(out / name) for name in STUDENT_RUNS if (out / name).is_dir()}
+    # The plan's runs only: a directory another plan left in `out` is not this bench's.
+    singles = [f"single_{d.strip()}" for d in plan.single_teachers.split(",") if d.strip()]
+    planned = [*mopd_runs(plan), *singles, "offpolicy_mixed", "sft_teacher_samples"]
+    students = {name: curve(out / name) for name in planned if (out / name).is_dir()}
     teachers = teacher_losses(out / "mopd")
     domains = sorted(teachers["code"])
     start = students["mopd"][0]

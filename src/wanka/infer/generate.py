@@ -226,3 +226,15 @@ class Generator:
                 self.done[b] = True
             if new and self.on_tokens is not None:
                 self.on_tokens(b, new)
+
+
+def distinct_4grams(outputs: list[list[int]]) -> float | None:
+    """Mean share of distinct 4-grams per completion: near 0 for text stuck in a loop (which
+    any drafter predicts), so acceptance figures can be read against it; None when no
+    completion has 4 tokens."""
+    shares = []
+    for o in outputs:
+        grams = [tuple(o[i : i + 4]) for i in range(len(o) - 3)]
+        if grams:
+            shares.append(len(set(grams)) / len(grams))
+    return round(sum(shares) / len(shares), 4) if shares else None

@@ -157,7 +157,7 @@ class Transformer(nn.Module):
             if losses is not None:
                 moe_losses.append(losses)
         logits = self._logits(self.norm(h))
-        if return_logits:  # the caller scores the logits itself: no fp32 [B, L, V] copy here
+        if return_logits or mtp_self:  # the caller scores the logits itself / MTP's target
             lm_sum, lm_count = logits.new_zeros(()), labels.new_zeros(())
         else:
             lm_sum, lm_count = _ce(logits, labels)

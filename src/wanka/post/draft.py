@@ -8,6 +8,8 @@ vocabulary) on text it generated itself from the prompts (the text decoding will
 prompt's corpus tokens included. Held-out evals run real speculative decoding on held-out
 prompts and report the acceptance per draft position and the mean acceptance length.
 The result is a run directory `wanka generate --speculate N` and `wanka bench decode` read.
+With model.mtp_depth > 1 every depth is tuned (depth d against the main model d tokens ahead),
+but the decoder drafts with depth 1 only (docs/INFERENCE.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from wanka.config.schema import JobConfig
-from wanka.infer.generate import Generator
+from wanka.infer.generate import Generator, distinct_4grams
+from wanka.infer.sampling import Sampling
 from wanka.post.checks import check_common
 from wanka.post.engine import run_config, zero_routing_counts
 from wanka.post.job import PostJob, collected, setup
@@ -43,10 +46,14 @@ def row_labels(s: Samples) -> torch.Tensor:
 
 
 def make_step():
+    synced = []  # the main model is frozen: its sampling copy is taken once (a collective)
+
     def step_loss(job: PostJob, step: int):
         prompts = job.prompts_for(step)
         tokens = [job.encode(x.text) for x in prompts]
-        job.rollout.sync(job.policy)  # a collective: every rank, every step
+        if not synced:
+            job.rollout.sync(job.policy)
+            synced.append(True)
         completions = job.sample(tokens, step)  # the frozen main model's own text
         s = assemble(tokens, completions, job.device,
                      length=global_max(row_length(tokens, completions)))  # fmt: skip
@@ -57,34 +64,42 @@ def make_step():
         total = sum(len(t) + len(c) for t, c in zip(tokens, completions))
         (processed,) = global_sum(float(total))
         return iter([loss]), {"loss": kl / max(n, 1.0), "mtp_positions": n,
-                              "tokens": processed}  # fmt: skip
+                              "row_tokens": processed}  # fmt: skip
 
     return step_loss
 
 
 @torch.no_grad()
 def held_out_acceptance(job: PostJob) -> dict[str, float]:
-    """Greedy speculative decoding (post.speculate drafts per round) of every held-out prompt
-    with the current MTP weights: acceptance per draft position and mean acceptance length,
-    over all ranks. Greedy output equals plain decoding's whatever the drafts (tested in
-    tests/unit/test_decode.py), so only the speed depends on them."""
+    """Speculative decoding (post.speculate drafts per round) of every held-out prompt with the
+    current MTP weights, sampled as the training text is (post.temperature / top_p, seeded the
+    same at every eval; speculative sampling keeps a draft with probability min(1, p / q)):
+    acceptance per draft position, mean acceptance length and the completions' share of
+    distinct 4-grams, over all ranks. Sampled, not greedy: a weak model's greedy text
+    collapses into loops that any drafter predicts (docs/BENCHMARKS.md, "tuned as a drafter")."""
     if not job.val_prompts:  # post.eval_prompts = 0 with a JSONL file: nothing to decode
         return {}
     job.rollout.sync(job.policy)
     p = job.cfg.post
-    drafted, accepted, rounds = [0] * p.speculate, [0] * p.speculate, 0
-    for chunk in chunks(job, job.val_prompts):
+    drafted, accepted, rounds, grams = [0] * p.speculate, [0] * p.speculate, 0, [0.0, 0.0]
+    for r, chunk in enumerate(chunks(job, job.val_prompts)):
         if not chunk:
             continue
-        gen = Generator(job.rollout.model, speculate=p.speculate)  # greedy
-        gen.generate([job.encode(x.text) for x in chunk], p.completion_tokens)
+        gen = Generator(job.rollout.model, Sampling(p.temperature, p.top_p),
+                        speculate=p.speculate, seed=1000 * job.rank + r)  # fmt: skip
+        outs = gen.generate([job.encode(x.text) for x in chunk], p.completion_tokens)
         drafted = [a + b for a, b in zip(drafted, gen.stats.drafted)]
         accepted = [a + b for a, b in zip(accepted, gen.stats.accepted)]
         rounds += gen.stats.rounds
-    totals = global_sum(*drafted, *accepted, float(rounds))
+        share = distinct_4grams(outs)
+        if share is not None:
+            grams = [grams[0] + share * len(outs), grams[1] + len(outs)]
+    totals = global_sum(*drafted, *accepted, float(rounds), *grams)
     k = p.speculate
     out = {f"val_acceptance/draft{j + 1}": totals[k + j] / max(totals[j], 1) for j in range(k)}
-    out["val_mean_acceptance_length"] = 1.0 + sum(totals[k : 2 * k]) / max(totals[-1], 1)
+    out["val_mean_acceptance_length"] = 1.0 + sum(totals[k : 2 * k]) / max(totals[2 * k], 1)
+    if totals[-1]:
+        out["val_distinct_4grams"] = totals[-2] / totals[-1]
     return out
 
 
@@ -116,6 +131,12 @@ def held_out_kl(job: PostJob) -> dict[str, float]:
 def main(cfg: JobConfig) -> dict[str, float]:
     check_draft(cfg)
     job = setup(cfg, "draft")
+    p = cfg.post
+    if job.longest_prompt + p.completion_tokens + p.speculate > cfg.model.max_seq_len:
+        raise ValueError(f"post.init: the longest prompt ({job.longest_prompt} tokens) + "
+                         f"post.completion_tokens ({p.completion_tokens}) + post.speculate "
+                         f"({p.speculate}) exceeds its max_seq_len {cfg.model.max_seq_len}: "
+                         "shorten the prompts or post.completion_tokens")  # fmt: skip
 
     def evaluate(job: PostJob, step: int) -> dict[str, float]:
         return {**held_out_kl(job), **held_out_acceptance(job)}
