@@ -83,8 +83,8 @@ def check_plan(plan: PostBenchPlan) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={value}: must be > 0")
     if plan.rl_seeds < 0:
         raise ValueError(f"--rl-seeds={plan.rl_seeds}: must be >= 0 (0 runs no RL)")
-    divs = [x.strip() for x in plan.mopd_divergences.split(",") if x.strip()]
-    if "reverse_kl" not in divs or set(divs) - set(MOPD_DIVERGENCES):
+    divs = set(mopd_runs(plan).values())
+    if "reverse_kl" not in divs or divs - set(MOPD_DIVERGENCES):
         raise ValueError(f"--mopd-divergences={plan.mopd_divergences!r}: a list of "
                          f"{', '.join(MOPD_DIVERGENCES)} that includes reverse_kl (the "
                          "reference every other run is measured against)")  # fmt: skip
@@ -259,14 +259,6 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
     }
 
 
-STUDENT_RUNS = (
-    "mopd",
-    *(f"mopd_{d}" for d in MOPD_DIVERGENCES[1:]),
-    "single_code",
-    "single_prose",
-    "offpolicy_mixed",
-    "sft_teacher_samples",
-)
 # Forward-token equivalents per step, relative to MOPD's, for runs that skip sampling: they run
 # this many more steps so that their curve reaches MOPD's compute (read off by interpolation).
 CHEAPER_STEPS = {"offpolicy_mixed": 1.25}
