@@ -217,7 +217,7 @@ def report_main(run_dir: str) -> int:
         # Lazy: wanka.post.report imports this module's helpers (no import cycle at load).
         from wanka.post.report import is_post_run, plot_post_curves, summarize_post
 
-        if is_post_run(train, evals, events) is not None:  # wanka distill / wanka rl
+        if is_post_run(train, evals, events) is not None:  # wanka distill / rl / draft
             for line in summarize_post(train, evals, events):
                 print(line)
             print(f"post curves    : {plot_post_curves(run)}")

@@ -103,6 +103,13 @@ def test_bench_decode_writes_its_table(run_dir, tmp_path):
     for c in res["cases"][1::2]:
         assert c["same_output_as_plain"] is True
         assert len(c["acceptance_rate"]) == 2 and c["mean_acceptance_length"] >= 1
+        # the speed-up is the median of the 3 alternating pairs' ratios, inside their range
+        low, high = c["speedup_range"]
+        assert low <= c["speedup_vs_plain"] <= high
+    for c in res["cases"]:
+        assert len(c["tokens_per_s_runs"]) == res["repeats"] == 3 and c["repeats_agree"] is True
+        runs = sorted(c["tokens_per_s_runs"])
+        assert c["tokens_per_s"] == pytest.approx(runs[1], abs=0.01)
     assert [c["context"] for c in res["contexts"]] == [96, 192]
     assert res["sparse_step_growth"] > 0 and res["dense_step_growth"] > 0
 
@@ -123,7 +130,8 @@ def test_bench_decode_sampled_reports_acceptance_without_claiming_equal_output(r
     assert sped["same_output_as_plain"] is None and "sampled" in r.stdout
     assert 0.0 <= sped["acceptance_rate"][1] <= 1.0 and sped["mean_acceptance_length"] >= 1
     assert 0.0 < plain["distinct_4grams"] <= 1.0
-    for flag, value in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0")):
+    for flag, value in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-p", "0"),
+                        ("--repeats", "0")):  # fmt: skip
         bad = wanka("bench", "decode", str(run_dir), flag, value, "--contexts", "")
         assert bad.returncode == 2 and f"{flag} " in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1

@@ -120,6 +120,11 @@ def test_supervised_rl_recovers_from_a_killed_rank_bitwise(base, tmp_path):
     assert "resumed from the in-memory snapshot of step" in logs
     rows = [json.loads(x) for x in (tmp_path / "sup" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows if x["kind"] == "train"] == [1, 2, 3, 4]  # no step twice
+    # The timeline holds the post-training steps, so goodput (`wanka report`) counts them.
+    from wanka.resilience.goodput import compute_goodput, read_timeline
+
+    g = compute_goodput(read_timeline(tmp_path / "sup" / "resilience" / "timeline.jsonl"))
+    assert g.steps_kept == 4 and 0.0 < g.productive_s < g.wall_s, g
     clean = wanka("rl", "configs/rl.toml", "--nproc", "2", *sets(*given("clean")), timeout=600)
     assert clean.returncode == 0, clean.stderr[-3000:]
     digest = [json.loads(x.stdout.strip().splitlines()[-1])["state_digest"] for x in (r, clean)]

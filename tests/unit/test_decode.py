@@ -237,3 +237,30 @@ def test_cpu_sparse_attention_decode_path_reads_only_selected_rows():
         poisoned = cpu.sparse_attention(q, k, v, idx, 0.25)
     assert poisoned[1, 2].isnan().all() and not poisoned[1, :2].isnan().any()
     assert not poisoned[0].isnan().any()
+
+
+@pytest.mark.parametrize("attention", ["mqa", "mla"])
+@pytest.mark.parametrize("L", [12, 40])  # dense, and sparse with the main model's indices
+def test_mtp_outputs_from_a_later_slot_equal_the_full_pass(attention, L):
+    """mtp_decode(q_from=j) writes every slot's keys but computes outputs only from slot j
+    on: those outputs and the whole cache equal the pass that computes every slot's."""
+    cfg = dataclasses.replace(CFG, attention=attention)
+    model = _model(cfg, seed=5)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 256, (2, L), generator=g)
+    after = torch.randint(0, 256, (2, L), generator=g)
+    pos = torch.arange(L).expand(2, L)
+    outs, caches = [], []
+    for q_from in (0, L - 3):
+        cache = KVCache(len(model.layers) + 1, 2, torch.device("cpu"))
+        docs = cache.set_docs(0, torch.zeros(2, L, dtype=torch.long))
+        with torch.no_grad():
+            _, hidden, indices = model.decode(tokens, pos, cache, 0, docs)
+            outs.append(model.mtp_decode(1, hidden, after, pos, cache, 0, docs, indices, q_from))
+        caches.append([t for t in cache.layers[-1].tensors if t is not None])
+    (full_logits, full_h), (tail_logits, tail_h) = outs
+    assert tail_logits.shape[1] == 3 and tail_h.shape[1] == 3
+    torch.testing.assert_close(tail_logits, full_logits[:, -3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tail_h, full_h[:, -3:], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*caches, strict=True):
+        assert torch.equal(a, b)

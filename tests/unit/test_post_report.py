@@ -1,4 +1,4 @@
-"""`wanka report` on distill / rl runs: post_curves.png, the gap-closure summary, and no post
+"""`wanka report` on distill / rl / draft runs: post_curves.png, the gap-closure summary, and no post
 panels for a pre-training run."""
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ def _rl_run(run: Path) -> None:
                         "step_time": 0.4})  # fmt: skip
         if s % 2 == 0:
             w.log_eval(s, {"val_reward": 0.125 + 0.25 * s})
+    w.close()
+
+
+def _draft_run(run: Path) -> None:
+    """The rows `wanka draft` writes (post/draft.py's eval keys)."""
+    w = MetricsWriter(run, is_main=True, total_steps=4, tensorboard=False, stream=io.StringIO())  # fmt: skip
+    w.log_eval(0, {"val_mtp_kl": 0.45, "val_acceptance/draft1": 0.8, "val_acceptance/draft2": 0.5,
+                   "val_mean_acceptance_length": 2.3, "val_distinct_4grams": 0.8})  # fmt: skip
+    for s in range(1, 5):
+        w.log_train(s, {"loss": 0.4 / s, "mtp_positions": 1000.0, "tokens": 1100.0,
+                        "grad_norm": 0.3, "lr": 1e-3, "step_time": 0.4})  # fmt: skip
+    w.log_eval(4, {"val_mtp_kl": 0.05, "val_acceptance/draft1": 0.95, "val_acceptance/draft2": 0.875,
+                   "val_mean_acceptance_length": 2.825, "val_distinct_4grams": 0.75})  # fmt: skip
     w.close()
 
 
@@ -104,6 +117,21 @@ def test_rl_summary_and_png(tmp_path: Path) -> None:
     assert data[:8] == PNG and len(data) > 20_000
 
 
+def test_draft_summary_and_png(tmp_path: Path) -> None:
+    run = tmp_path / "draft"
+    _draft_run(run)
+    train, evals, events = _load(run)
+    assert is_post_run(train, evals, events) == "draft"
+    assert summarize_post(train, evals, events) == [
+        "val_mtp_kl     : first 0.4500 (step 0), last 0.0500 (step 4)",
+        "val_mean_acceptance_length: first 2.3000 (step 0), last 2.8250 (step 4)",
+        "val_distinct_4grams: first 0.8000 (step 0), last 0.7500 (step 4)",
+        "acceptance     : draft1 95.0%, draft2 87.5% (last eval)",
+    ]
+    data = plot_post_curves(run).read_bytes()
+    assert data[:8] == PNG and len(data) > 20_000
+
+
 def test_report_main_draws_post_curves_only_for_post_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -127,5 +155,5 @@ def test_report_main_draws_post_curves_only_for_post_runs(
     out = capsys.readouterr().out
     assert (pre / "loss_curve.png").is_file()
     assert not (pre / "post_curves.png").exists() and "post curves" not in out
-    with pytest.raises(ValueError, match="not a wanka distill / rl run"):
+    with pytest.raises(ValueError, match="not a wanka distill / rl / draft run"):
         plot_post_curves(pre)

@@ -83,3 +83,26 @@ def test_dense_attention_sdpa_serves_devices_without_their_own_kernel(monkeypatc
     doc = torch.tensor([[0] * 7 + [1] * 12, [0] * 19])
     got = registry.call("dense_attention", q, k, v, doc, 0.4)
     torch.testing.assert_close(got, reference.dense_attention(q, k, v, doc, 0.4))
+
+
+def test_the_choice_is_cached_but_follows_registrations_overrides_and_replacements(
+    scratch_op, monkeypatch
+):
+    __import__("chipops")
+    x = torch.ones(2)
+    assert registry.call("scratch_double", x).tolist() == [2.0, 2.0]
+    # a backend registered after the first call wins from the next call on
+    registry.register("scratch_double", "late", priority=7)(lambda t: t * 3)
+    assert registry.call("scratch_double", x).tolist() == [3.0, 3.0]
+    # a changed override is a new choice, and going back to none restores the old one
+    monkeypatch.setenv(registry.ENV_OVERRIDE, "scratch_double=reference")
+    assert registry.call("scratch_double", x).tolist() == [2.0, 2.0]
+    monkeypatch.delenv(registry.ENV_OVERRIDE)
+    assert registry.call("scratch_double", x).tolist() == [3.0, 3.0]
+    # a backend replaced in place (benchmarks wrap fn) is the one called
+    table = registry._REGISTRY["scratch_double"]
+    table["late"] = registry.Backend("late", lambda t: t * 4, ("*",), 7, lambda: True)
+    assert registry.call("scratch_double", x).tolist() == [4.0, 4.0]
+    # a removed one is not called
+    del table["late"]
+    assert registry.call("scratch_double", x).tolist() == [2.0, 2.0]

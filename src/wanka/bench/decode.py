@@ -1,9 +1,10 @@
 """`wanka bench decode RUN_DIR`: decoding speed of a trained run, plain vs MTP speculation.
 
-Part 1, side by side in one process: greedy completions of held-out prompts (the built-in
-corpus's validation documents, never trained on) at batch 1 and 8, plain and with N drafts:
-tokens/s, latency per token, acceptance rate per draft position, mean acceptance length
-(tokens per verify forward). Part 2: one decode step's time after a context of 4k and 16k
+Part 1, side by side in one process: completions of held-out prompts (the built-in corpus's
+validation documents, never trained on), greedy or sampled, at batch 1 and 8, plain and with N
+drafts, alternating `--repeats` times: tokens/s (median), latency per token, acceptance rate
+per draft position, mean acceptance length (tokens per verify forward), and the speed-up as the
+median of the plain / speculative pairs' ratios with their range. Part 2: one decode step's time after a context of 4k and 16k
 tokens (plain, batch 1): DSA reads top-k keys per query, so beyond k the step grows with the
 indexer's cheap scan only, not with full attention.
 """
@@ -32,6 +33,9 @@ def add_bench_decode_parser(b) -> None:
                    help="0: greedy (speculation must give plain's exact output); > 0: sampled, "
                    "drafts kept by speculative sampling's rejection rule")  # fmt: skip
     d.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling")
+    d.add_argument("--repeats", type=int, default=3,
+                   help="plain / speculative runs per batch size, alternating (ABBA...); the "
+                   "speed-up is the median of the pairs' ratios")  # fmt: skip
     d.add_argument("--out", default="runs/bench/decode.json", help="JSON result file")
     d.set_defaults(fn=run_bench_decode)
 
@@ -51,16 +55,22 @@ def heldout_prompts(n: int, length: int) -> list[list[int]]:
     raise ValueError(f"the validation split has fewer than {n} documents of {length} bytes")
 
 
-def _decode_case(model, prompts, batch: int, speculate: int, new_tokens: int,
-                 sampling=None) -> dict:  # fmt: skip
-    from wanka.infer.generate import Generator, distinct_4grams
+def _decode_chunk(model, prompts, speculate: int, new_tokens: int, sampling, seed: int):
+    """One Generator over one batch of prompts -> (seconds, outputs, stats)."""
+    from wanka.infer.generate import Generator
 
-    t0, outs, stats = time.perf_counter(), [], []
-    for i in range(0, len(prompts), batch):
-        gen = Generator(model, sampling, speculate=speculate, seed=i)
-        outs += gen.generate(prompts[i : i + batch], new_tokens)
-        stats.append(gen.stats)
-    dt = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    gen = Generator(model, sampling, speculate=speculate, seed=seed)
+    outs = gen.generate(prompts, new_tokens)
+    return time.perf_counter() - t0, outs, gen.stats
+
+
+def _summarise(chunks: list, batch: int, speculate: int) -> dict:
+    from wanka.infer.generate import distinct_4grams
+
+    dt = sum(c[0] for c in chunks)
+    outs = [o for c in chunks for o in c[1]]
+    stats = [c[2] for c in chunks]
     tokens = sum(s.tokens for s in stats)
     rounds = sum(s.rounds for s in stats)
     drafted = [sum(s.drafted[j] for s in stats) for j in range(speculate)]
@@ -78,6 +88,23 @@ def _decode_case(model, prompts, batch: int, speculate: int, new_tokens: int,
         "distinct_4grams": distinct_4grams(outs),
         "outputs": outs,
     }
+
+
+def _decode_pair(model, prompts, batch: int, speculate: int, new_tokens: int, sampling,
+                 repeats: int) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """`repeats` runs of every prompt, plain and speculative, interleaved batch by batch in
+    alternating order (plain first, then speculative first, ...): a drift in the shared
+    machine's speed hits both alike. -> (plain runs, speculative runs), one dict per repeat."""
+    plain, sped = [], []
+    for r in range(repeats):
+        chunks: dict[int, list] = {0: [], speculate: []}
+        for n, i in enumerate(range(0, len(prompts), batch)):
+            for spec in (0, speculate) if (r + n) % 2 == 0 else (speculate, 0):
+                chunks[spec].append(_decode_chunk(model, prompts[i : i + batch], spec,
+                                                  new_tokens, sampling, seed=i))  # fmt: skip
+        plain.append(_summarise(chunks[0], batch, 0))
+        sped.append(_summarise(chunks[speculate], batch, speculate))
+    return plain, sped
 
 
 def _step_time(model, context: int, steps: int = 8) -> dict:
@@ -122,7 +149,7 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     contexts = [int(x) for x in args.contexts.split(",") if x]
     if args.speculate < 1 or not batches or min(batches) < 1:
         raise ValueError("--speculate and --batches need positive numbers, e.g. --batches 1,8")
-    for flag in ("prompts", "prompt_tokens", "new_tokens"):
+    for flag in ("prompts", "prompt_tokens", "new_tokens", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1 or more")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
@@ -150,19 +177,28 @@ def run_bench_decode(args: argparse.Namespace) -> int:
 
     sampling = Sampling(args.temperature, args.top_p)
     result.update(temperature=args.temperature, top_p=args.top_p)
-    _decode_case(model, prompts[:1], 1, args.speculate, 8)  # warm-up (first-call costs)
+    _decode_pair(model, prompts[:1], 1, args.speculate, 8, sampling, 1)  # warm-up
+    result["repeats"] = args.repeats
     for batch in batches:
-        for spec in (0, args.speculate):
-            case = _decode_case(model, prompts, batch, spec, args.new_tokens, sampling)
-            result["cases"].append(case)
-            print(_row(case), flush=True)
-        plain, sped = result["cases"][-2:]
-        sped["speedup_vs_plain"] = round(sped["tokens_per_s"] / plain["tokens_per_s"], 3)
+        runs = _decode_pair(model, prompts, batch, args.speculate, args.new_tokens, sampling,
+                            args.repeats)  # fmt: skip
+        plain, sped = _merge(runs[0]), _merge(runs[1])
+        result["cases"] += [plain, sped]
+        print(_row(plain), flush=True)
+        print(_row(sped), flush=True)
+        ratios = sorted(b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(*runs))
+        sped["speedup_vs_plain"] = round(_median(ratios), 3)
+        sped["speedup_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
         # Sampled runs draw other random numbers with and without drafts: only greedy output
         # must match token for token (the distribution's equality is tested in the unit tests).
         same = sped["outputs"] == plain["outputs"] if sampling.greedy else None
         sped["same_output_as_plain"] = same
-        print(f"  batch {batch}: speculation {sped['speedup_vs_plain']}x tokens/s"
+        spread = (
+            f" (pairs {sped['speedup_range'][0]}-{sped['speedup_range'][1]}x)"
+            if args.repeats > 1
+            else ""
+        )
+        print(f"  batch {batch}: speculation {sped['speedup_vs_plain']}x tokens/s{spread}"
               + (f", same greedy output: {same}" if sampling.greedy else ", sampled"),
               flush=True)  # fmt: skip
     for c in contexts:
@@ -185,6 +221,24 @@ def run_bench_decode(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _merge(cases: list[dict]) -> dict:
+    """One row for the repeats of a case: the outputs and acceptance are the first run's (with
+    fixed seeds every run gives the same; `repeats_agree` says whether they did), the timings
+    are medians, each run's tokens/s kept."""
+    row = dict(cases[0])
+    row["repeats_agree"] = all(c["outputs"] == cases[0]["outputs"] for c in cases[1:])
+    for key in ("seconds", "tokens_per_s", "latency_ms_per_token"):
+        row[key] = round(_median([c[key] for c in cases]), 3 if key == "seconds" else 2)
+    row["tokens_per_s_runs"] = [c["tokens_per_s"] for c in cases]
+    return row
 
 
 def _row(c: dict) -> str:

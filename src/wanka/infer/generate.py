@@ -142,10 +142,14 @@ class Generator:
         row's slot `last` (its first draft's logits [B, 1, V], hidden state [B, 1, D]) and the
         main model's selection there (or None while dense)."""
         docs = cache.docs[:, : start + hidden.shape[1]]  # set by the main forward (pads too)
-        logits, h = self.model.mtp_decode(1, hidden, after, positions, cache, start, docs, indices)
         rows, sel = torch.arange(hidden.shape[0], device=self.device), last - start
+        # Only slots from the earliest row's last one on need an output (at batch 1: one slot,
+        # a whole prompt's or a round's kept drafts); the others only write their keys.
+        q_from = int(sel.min())
+        logits, h = self.model.mtp_decode(1, hidden, after, positions, cache, start, docs, indices,
+                                          q_from)  # fmt: skip
         base = indices[rows, sel][:, None] if indices is not None else None
-        return logits[rows, sel][:, None], h[rows, sel][:, None], base
+        return logits[rows, sel - q_from][:, None], h[rows, sel - q_from][:, None], base
 
     def _draft(self, cache, length, pos, draft):
         """N draft tokens [B, N] and the distributions they were drawn from [B, N, V]: the

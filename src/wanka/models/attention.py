@@ -21,7 +21,7 @@ from torch import nn
 
 from wanka import ops
 from wanka.config.schema import ModelConfig
-from wanka.models.layers import apply_rope, rope_table
+from wanka.models.layers import Linear, apply_rope, rope_table
 
 
 @dataclass
@@ -39,10 +39,10 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_index_heads, cfg.index_head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_index_heads * cfg.index_head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.index_head_dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_index_heads * cfg.index_head_dim, bias=False)
+        self.wk = Linear(cfg.dim, cfg.index_head_dim, bias=False)
         self.wk_norm = nn.LayerNorm(cfg.index_head_dim)
-        self.ww = nn.Linear(cfg.dim, cfg.n_index_heads, bias=False)
+        self.ww = Linear(cfg.dim, cfg.n_index_heads, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, positions: torch.Tensor):
         B, L, _ = x.shape
@@ -57,9 +57,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.n_heads, cfg.head_dim, cfg.index_topk
         self.scale = cfg.head_dim**-0.5
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wkv = nn.Linear(cfg.dim, 2 * cfg.head_dim, bias=False)  # the single MQA KV head
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wkv = Linear(cfg.dim, 2 * cfg.head_dim, bias=False)  # the single MQA KV head
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.indexer = Indexer(cfg) if has_indexer else None
 
     def forward(
@@ -102,13 +102,21 @@ class Attention(nn.Module):
             qi, ki, wi = self.indexer(x.detach(), ropes["index"], positions)
         return q, k, v, qi, ki, wi
 
-    def decode(self, x, positions, ropes, cache, start: int, docs: torch.Tensor, shared_indices):
+    def decode(self, x, positions, ropes, cache, start: int, docs: torch.Tensor, shared_indices,
+               q_from: int = 0):  # fmt: skip
         """Inference over a KV cache: the Lq new tokens x sit at cache slots [start, start + Lq);
         their keys are written there and the queries read slots [0, start + Lq) (`docs` holds
         those slots' document ids; pad slots are a document of their own). Sparse once the
-        cache holds more than k slots, as training is for rows longer than k.
-        -> (out [B, Lq, dim], top-k indices or the shared ones / None while dense)."""
+        cache holds more than k slots, as training is for rows longer than k. `q_from` > 0:
+        only the new tokens from q_from on query (the others' keys are still written; shared
+        indices are per new token, all Lq of them).
+        -> (out [B, Lq - q_from, dim], top-k indices or the shared ones / None while dense)."""
         q, k, v, qi, ki, wi = self._project(x, positions, ropes)
+        if q_from:
+            q = q[:, q_from:]
+            qi, wi = (qi[:, q_from:], wi[:, q_from:]) if qi is not None else (qi, wi)
+            if shared_indices is not None:
+                shared_indices = shared_indices[:, q_from:]
         shared_kv = v is k  # MLA: one latent tensor is key and value; cache it once
         keys, values, index_keys = cache.write(start, k, None if shared_kv else v, ki)
         values = keys if shared_kv else values

@@ -1,10 +1,20 @@
-"""Small building blocks: RMSNorm, rotary embeddings, SwiGLU feed-forward."""
+"""Small building blocks: Linear, RMSNorm, rotary embeddings, SwiGLU feed-forward."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wanka import ops
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) whose product is the op registry's
+    `linear`, so a device backend can choose the GEMM (e.g. the CPU's few-row decode path)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.call("linear", x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -45,9 +55,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -23,7 +23,7 @@ from torch import nn
 
 from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention
-from wanka.models.layers import RMSNorm, apply_rope
+from wanka.models.layers import Linear, RMSNorm, apply_rope
 
 LATENT_NORM_EPS = 1e-6  # deepseek_v32's q/kv latent norms and indexer key norm
 
@@ -33,10 +33,10 @@ class MLAIndexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_index_heads, cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.n_index_heads * cfg.index_head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.index_head_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_index_heads * cfg.index_head_dim, bias=False)
+        self.wk = Linear(cfg.dim, cfg.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=LATENT_NORM_EPS)
-        self.weights_proj = nn.Linear(cfg.dim, cfg.n_index_heads, bias=False)
+        self.weights_proj = Linear(cfg.dim, cfg.n_index_heads, bias=False)
 
     def forward(self, x, q_latent, rope: torch.Tensor, positions: torch.Tensor):
         B, L, _ = x.shape
@@ -65,13 +65,13 @@ class MLAttention(Attention):
         )
         self.kv_rank = cfg.kv_lora_rank
         self.scale = (self.nope + self.rope_dim) ** -0.5  # the per-head q.k width
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * (self.nope + self.rope_dim), bias=False)
-        self.wkv_a = nn.Linear(cfg.dim, self.kv_rank + self.rope_dim, bias=False)
+        self.wq_b = Linear(cfg.q_lora_rank, H * (self.nope + self.rope_dim), bias=False)
+        self.wkv_a = Linear(cfg.dim, self.kv_rank + self.rope_dim, bias=False)
         self.kv_norm = RMSNorm(self.kv_rank, LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        self.wkv_b = Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = Linear(H * self.v_dim, cfg.dim, bias=False)
         self.indexer = MLAIndexer(cfg) if has_indexer else None
 
     def _project(self, x, positions, ropes):

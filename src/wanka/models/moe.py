@@ -20,7 +20,7 @@ from torch import nn
 
 from wanka import ops
 from wanka.config.schema import ModelConfig
-from wanka.models.layers import FeedForward
+from wanka.models.layers import FeedForward, Linear
 from wanka.ops import grouped_experts  # noqa: F401  (registers the grouped_swiglu op)
 
 
@@ -88,7 +88,7 @@ class MoE(nn.Module):
         self.route_scale = cfg.route_scale
         # Group-limited routing (DeepSeek-V3's n_group / topk_group); 1 of 1 = unrestricted.
         self.n_groups, self.n_limited_groups = cfg.n_expert_groups, cfg.n_limited_groups
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.router = Linear(cfg.dim, cfg.n_experts, bias=False)
         # Selection bias for aux-loss-free balancing; updated from observed load, not by SGD.
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         # Tokens routed to each expert since the last bias update (not checkpointed).

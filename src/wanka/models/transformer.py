@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wanka import ops
 from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention, make_ropes
-from wanka.models.layers import FeedForward, RMSNorm
+from wanka.models.layers import FeedForward, Linear, RMSNorm
 from wanka.models.mla import MLAttention
 from wanka.models.moe import MoE, MoELosses
 
@@ -56,11 +57,12 @@ class Block(nn.Module):
             f = self.ffn(self.ffn_norm(x))
         return x + f, aux, moe_losses
 
-    def decode(self, x, positions, ropes, cache, start, docs, shared_indices):
-        """Inference over this block's KV cache (Attention.decode) -> (x, indices)."""
+    def decode(self, x, positions, ropes, cache, start, docs, shared_indices, q_from: int = 0):
+        """Inference over this block's KV cache (Attention.decode) -> (x, indices), for the new
+        tokens from q_from on (the earlier ones only write their keys)."""
         h, indices = self.attention.decode(self.attention_norm(x), positions, ropes, cache, start,
-                                           docs, shared_indices)  # fmt: skip
-        x = x + h
+                                           docs, shared_indices, q_from)  # fmt: skip
+        x = x[:, q_from:] + h
         f = self.moe(self.ffn_norm(x))[0] if self.moe is not None else self.ffn(self.ffn_norm(x))
         return x + f, indices
 
@@ -74,7 +76,7 @@ class MTPModule(nn.Module):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.proj = Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(cfg, has_indexer=False, is_moe=False)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
@@ -93,7 +95,7 @@ class Transformer(nn.Module):
             }
         )
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.mtp_depth))
         for name, t in make_ropes(cfg, device="meta").items():
             self.register_buffer(f"rope_{name}", t, persistent=False)
@@ -122,7 +124,7 @@ class Transformer(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
             return self.output(h)
-        return F.linear(h, self.tok_embeddings.weight)
+        return ops.call("linear", h, self.tok_embeddings.weight)
 
     def forward(
         self,
@@ -198,16 +200,19 @@ class Transformer(nn.Module):
 
     def mtp_decode(self, depth: int, hidden: torch.Tensor, next_tokens: torch.Tensor,
                    positions: torch.Tensor, cache, start: int, docs: torch.Tensor,
-                   indices: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   indices: torch.Tensor | None,
+                   q_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """MTP depth `depth` (1-based) at the slots of `hidden`: the previous depth's (or the
         main model's) hidden state there and the embedding of the token after each slot
-        -> (logits of the token after that one, this depth's hidden state)."""
+        -> (logits of the token after that one, this depth's hidden state), for the slots from
+        q_from on; the earlier slots only write their keys to the cache (a draft needs the
+        output at each row's last slot, the cache needs every slot's keys)."""
         mtp = self.mtp[depth - 1]
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         nxt = self.tok_embeddings(next_tokens)
         h = mtp.proj(torch.cat([mtp.hidden_norm(hidden), mtp.embed_norm(nxt)], dim=-1))
         layer_cache = cache.layers[len(self.layers) + depth - 1]
-        h, _ = mtp.block.decode(h, positions, ropes, layer_cache, start, docs, indices)
+        h, _ = mtp.block.decode(h, positions, ropes, layer_cache, start, docs, indices, q_from)
         return self._logits(mtp.norm(h)), h
 
 

@@ -5,6 +5,7 @@ from wanka.ops import (  # noqa: F401
     grouped_experts,
     indexer_kl,
     lightning_indexer,
+    linear,
     moe_dispatch,
     sparse_attention,
 )

@@ -57,6 +57,11 @@ class Backend:
 
 # Registration happens at import time of the op packages, like torch's own op tables.
 _REGISTRY: dict[str, dict[str, Backend]] = {}
+# (op, device type, WANKA_OPS_BACKEND) -> (backend names best first, forced): the choice is
+# made once, not on every call (the model calls small ops such as `linear` ~100 times per
+# decoded token). Names, not Backend objects, so a backend replaced in place (benchmarks
+# wrap fn) is seen; register() clears it; `available` is taken to be fixed for a process.
+_CHOICE: dict[tuple[str, str, str], tuple[tuple[str, ...], bool]] = {}
 
 
 def register(
@@ -74,6 +79,7 @@ def register(
         _REGISTRY.setdefault(op, {})[backend] = Backend(
             backend, fn, device_types, priority, available, supports
         )
+        _CHOICE.clear()
         return fn
 
     return deco
@@ -116,7 +122,17 @@ def backends(op: str) -> dict[str, Backend]:
 def _candidates(op: str, device_type: str) -> tuple[list[Backend], bool]:
     """Backends `op` may use on `device_type`, best first, and whether the first is forced
     (then it is the only one)."""
+    key = (op, device_type, os.environ.get(ENV_OVERRIDE, ""))
+    hit = _CHOICE.get(key)
     table = backends(op)
+    if hit is not None and all(n in table for n in hit[0]):
+        return [table[n] for n in hit[0]], hit[1]
+    cands, forced = _choose(op, device_type, table)
+    _CHOICE[key] = (tuple(b.name for b in cands), forced)
+    return cands, forced
+
+
+def _choose(op: str, device_type: str, table: dict[str, Backend]) -> tuple[list[Backend], bool]:
     forced = _forced().get(op) or _forced().get("*")
     if forced is not None and forced in table:
         b = table[forced]

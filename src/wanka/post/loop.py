@@ -41,37 +41,30 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
     rt = job.runtime
     for step in range(start, cfg.train.steps):
-        rt.progress.enter("sync", step)
-        if rt.stop_agreed():  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+        # Timeline spans as in pre-training (train/trainer.py), so `wanka report`'s goodput
+        # block counts post-training steps: the step span is the whole iteration, its
+        # snapshot nested inside; eval and checkpoint spans follow it.
+        with rt.span("step", step=step) as span:
+            rt.progress.enter("sync", step)
+            stop = rt.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
+            if stop:
+                span["error"] = "stopped before the step"  # not executed: never counted as kept
+            else:
+                _step(job, step, step_fn, params, shard)
+                if job.snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
+                    with rt.span("snapshot", step=step), rt.phase("snapshot", step):
+                        job.snapshots.save(step + 1, capture(job.policy, job.optimizer, {}))
+        if stop:
             _last_gasp(job, step)
-        t0 = time.perf_counter()
-        lr = set_lr(job.optimizer, step, cfg.train)
-        rt.progress.enter("forward", step)  # sampling included: it is the policy's forward
-        losses, m = step_fn(job, step)
-        for loss in losses:
-            rt.progress.enter("backward", step)
-            loss.backward()
-            rt.progress.enter("optimizer", step)
-            grad_norm = clip_grad_norm(params, cfg.train.grad_clip, group=shard)
-            if torch.isfinite(grad_norm):
-                job.optimizer.step()
-            else:  # one bad batch (say, a teacher's overflow) must not poison the weights
-                log.warning("step %d: non-finite gradient norm; update skipped", step + 1)
-            job.optimizer.zero_grad(set_to_none=True)
-            zero_routing_counts(job.policy)
-        m.update(grad_norm=float(grad_norm), lr=lr, step_time=time.perf_counter() - t0)
-        job.metrics.log_train(step + 1, m)
-        if job.snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
-            rt.progress.enter("snapshot", step)
-            job.snapshots.save(step + 1, capture(job.policy, job.optimizer, {}))
         last = step + 1 == cfg.train.steps
         if (step + 1) % cfg.train.eval_every == 0 or last:
-            rt.progress.enter("eval", step)
-            result = evaluate(job, step + 1)
+            with rt.span("eval", step=step), rt.phase("eval", step):
+                result = evaluate(job, step + 1)
             job.metrics.log_eval(step + 1, result)
         if cfg.checkpoint.enable and ((step + 1) % cfg.checkpoint.every == 0 or last):
-            rt.progress.enter("checkpoint", step)
-            job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
+            with (rt.span("checkpoint", step=step) as ck_span, rt.phase("checkpoint", step),
+                  job.ckpt.report(rt.event, rt.node, ck_span)):  # fmt: skip
+                job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
     if start == cfg.train.steps:  # finished already (a rerun): report where it stands
         result = evaluate(job, start)
     job.ckpt.wait()
@@ -83,6 +76,28 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     rt.progress.close()
     dist.barrier()  # leave together: a rank tearing its group down early gets rank 0 killed
     return result
+
+
+def _step(job: PostJob, step: int, step_fn: Step, params: list, shard) -> None:
+    """One optimizer step (or several on one batch: GRPO) and its metrics row."""
+    cfg, rt = job.cfg, job.runtime
+    t0 = time.perf_counter()
+    lr = set_lr(job.optimizer, step, cfg.train)
+    rt.progress.enter("forward", step)  # sampling included: it is the policy's forward
+    losses, m = step_fn(job, step)
+    for loss in losses:
+        rt.progress.enter("backward", step)
+        loss.backward()
+        rt.progress.enter("optimizer", step)
+        grad_norm = clip_grad_norm(params, cfg.train.grad_clip, group=shard)
+        if torch.isfinite(grad_norm):
+            job.optimizer.step()
+        else:  # one bad batch (say, a teacher's overflow) must not poison the weights
+            log.warning("step %d: non-finite gradient norm; update skipped", step + 1)
+        job.optimizer.zero_grad(set_to_none=True)
+        zero_routing_counts(job.policy)
+    m.update(grad_norm=float(grad_norm), lr=lr, step_time=time.perf_counter() - t0)
+    job.metrics.log_train(step + 1, m)
 
 
 def _last_gasp(job: PostJob, step: int) -> None:

@@ -1,6 +1,7 @@
-"""`wanka report` for `wanka distill` / `wanka rl` runs: their metrics.jsonl has no "val_loss"
-or "tokens_per_s" but per-domain divergences and held-out losses (with each teacher's held-out
-loss as the target) or rewards and KL, which the pre-training panels cannot show."""
+"""`wanka report` for `wanka distill` / `wanka rl` / `wanka draft` runs: their metrics.jsonl has
+no "val_loss" or "tokens_per_s" but per-domain divergences and held-out losses (with each
+teacher's held-out loss as the target), rewards and KL, or the drafter's KL to the main model
+and its speculative acceptance, which the pre-training panels cannot show."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ VAL_LOSS = "val_loss/"
 VAL_RKL = "val_reverse_kl/"
 TEACHER_EVAL = "teacher_eval"
 _RL_TRAIN_KEYS = ("reward", "groups_with_a_reward", "kl_mean", "clip_fraction")
+ACCEPTANCE = "val_acceptance/"
+_DRAFT_EVAL_KEYS = ("val_mtp_kl", "val_mean_acceptance_length")
 
 
 def _keys(rows: list[dict], prefix: str) -> list[str]:
@@ -26,14 +29,18 @@ def _keys(rows: list[dict], prefix: str) -> list[str]:
 
 
 def is_post_run(train: list[dict], evals: list[dict], events: list[dict]) -> str | None:
-    """Which post-training command wrote the rows ("distill", "rl"), None for pre-training:
-    told apart by what each command logs."""
+    """Which post-training command wrote the rows ("distill", "rl", "draft"), None for
+    pre-training: told apart by what each command logs."""
     if any(e.get("kind") == TEACHER_EVAL for e in events):
         return "distill"
     if _keys(train, DIVERGENCE) or _keys(evals, VAL_LOSS):
         return "distill"
     if any(k in r for r in train for k in _RL_TRAIN_KEYS) or any("val_reward" in r for r in evals):
         return "rl"
+    if any(k in r for r in evals for k in _DRAFT_EVAL_KEYS) or any(
+        "mtp_positions" in r for r in train
+    ):
+        return "draft"
     return None
 
 
@@ -91,6 +98,18 @@ def summarize_post(train: list[dict], evals: list[dict], events: list[dict]) -> 
         _, rs = _series(train, "reward")
         if rs:
             lines.append(f"train reward   : last {rs[-1]:.4f}")
+    elif kind == "draft":
+        for key in ("val_mtp_kl", "val_mean_acceptance_length", "val_distinct_4grams"):
+            xs, ys = _series(evals, key)
+            if ys:
+                lines.append(f"{key:<15}: first {ys[0]:.4f} (step {xs[0]}), last {ys[-1]:.4f} (step {xs[-1]})")  # fmt: skip
+        last = {}
+        for d in _keys(evals, ACCEPTANCE):
+            xs, ys = _series(evals, ACCEPTANCE + d)
+            if ys:
+                last[d] = f"{d} {ys[-1]:.1%}"
+        if last:
+            lines.append(f"acceptance     : {', '.join(last.values())} (last eval)")
     return lines
 
 
@@ -174,8 +193,40 @@ def _rl_panels(axes, train: list[dict], evals: list[dict]) -> None:
     ax_loss.set_ylabel("loss")
 
 
+def _draft_panels(axes, train: list[dict], evals: list[dict]) -> None:
+    ax_kl, ax_acc, ax_gn = axes
+    # Panel 1: the KL the drafter minimises (train, on its own samples) and on held-out text.
+    drawn = _line(ax_kl, train, "loss", color="black", label="loss (KL main || MTP)")
+    drawn |= _line(ax_kl, evals, "val_mtp_kl", color="tab:blue", linestyle="--", marker="o",
+                   markersize=4, label="held-out KL")  # fmt: skip
+    if drawn:
+        ax_kl.legend(loc="best", fontsize="small")
+    else:
+        _empty(ax_kl, "no KL data")
+    ax_kl.set_ylabel("KL / position")
+    # Panel 2: speculative acceptance per draft position at each eval, and the share of
+    # distinct 4-grams (text stuck in a loop is easy to draft: read acceptance against it).
+    drawn = [_line(ax_acc, evals, ACCEPTANCE + d, marker="o", markersize=4, label=d)
+             for d in _keys(evals, ACCEPTANCE)]  # fmt: skip
+    drawn.append(_line(ax_acc, evals, "val_distinct_4grams", color="gray", linestyle=":",
+                       label="distinct 4-grams"))  # fmt: skip
+    if any(drawn):
+        ax_acc.legend(loc="lower right", fontsize="small")
+        ax_acc.set_ylim(-0.05, 1.05)
+    else:
+        _empty(ax_acc, "no acceptance data")
+    ax_acc.set_ylabel("acceptance / share")
+    xs, ys = _series(evals, "val_mean_acceptance_length")
+    if xs:
+        tw = ax_acc.twinx()
+        tw.plot(xs, ys, color="tab:red", marker="s", markersize=4, label="mean acceptance length")
+        tw.set_ylabel("mean acceptance length", color="tab:red")
+    # Panel 3: optimiser health.
+    _twin(ax_gn, train, "lr", "grad_norm")
+
+
 def plot_post_curves(run_dir: Path, out: Path | None = None) -> Path:
-    """Draw the distill or rl panels of run_dir to RUN_DIR/post_curves.png (or `out`)."""
+    """Draw the distill, rl or draft panels of run_dir to RUN_DIR/post_curves.png (or `out`)."""
     # Figure + Agg canvas instead of pyplot, as wanka.report: no display, no global backend.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -186,7 +237,7 @@ def plot_post_curves(run_dir: Path, out: Path | None = None) -> Path:
     train, evals = load_metrics(run_dir, events)
     kind = is_post_run(train, evals, events)
     if kind is None:
-        raise ValueError(f"{run_dir} is not a wanka distill / rl run")
+        raise ValueError(f"{run_dir} is not a wanka distill / rl / draft run")
     out = Path(out) if out is not None else run_dir / "post_curves.png"
 
     fig = Figure(figsize=(10, 10), constrained_layout=True)
@@ -195,6 +246,8 @@ def plot_post_curves(run_dir: Path, out: Path | None = None) -> Path:
     fig.suptitle(f"wanka {kind}: {run_dir.resolve().name}")
     if kind == "distill":
         _distill_panels(axes, train, evals, events)
+    elif kind == "draft":
+        _draft_panels(axes, train, evals)
     else:
         _rl_panels(axes, train, evals)
     for ax in axes:
