@@ -16,6 +16,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_op_choices():
+    """The op registry caches which backend each op uses (fixed in a real process); tests fake
+    vendor libraries and availability, so every test starts and ends with a fresh choice."""
+    from wanka.ops import registry
+
+    registry.reset_choices()
+    yield
+    registry.reset_choices()
+
+
 # Tests that measure time or CPU, or use machine-wide state (the cluster's namespaces, a
 # whole-job supervisor with injected faults, /dev/shm limits): `make test` runs them one at a
 # time, after the rest ran two at a time (pytest-xdist), so that a neighbour's load never

@@ -264,3 +264,35 @@ def test_mtp_outputs_from_a_later_slot_equal_the_full_pass(attention, L):
     torch.testing.assert_close(tail_h, full_h[:, -3:], rtol=1e-5, atol=1e-5)
     for a, b in zip(*caches, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("P", [12, 40])  # the main model dense, and sparse (base indices)
+def test_mtp_entries_of_rows_with_different_last_slots(P):
+    """Generator._mtp_entries computes outputs only from the earliest row's last slot on; each
+    row's draft logits, hidden state and main-model selection must be those of a pass that
+    computes every slot."""
+    model = _model(seed=7)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (P,), generator=g).tolist(),
+               torch.randint(0, 256, (P - 5,), generator=g).tolist()]  # fmt: skip
+    after = torch.randint(0, 256, (2, P), generator=g)
+    last = torch.tensor([P - 1, P - 4])  # row 1 keeps fewer slots
+    got, want = [], []
+    for q_from_all in (False, True):
+        gen = Generator(model, speculate=2)
+        gen.max_new = 8
+        with torch.no_grad():
+            cache, _, _, hidden, indices = gen._prefill(prompts, n_mtp=1)
+            positions = gen._prompt_positions
+            if q_from_all:
+                docs = cache.docs[:, :P]
+                logits, h = model.mtp_decode(1, hidden, after, positions, cache, 0, docs, indices)
+                rows = torch.arange(2)
+                base = indices[rows, last][:, None] if indices is not None else None
+                want = [logits[rows, last][:, None], h[rows, last][:, None], base]
+            else:
+                got = list(gen._mtp_entries(cache, 0, hidden, after, positions, indices, last))
+    assert (got[2] is None) == (want[2] is None) == (P <= CFG.index_topk)
+    for a, b in zip(got, want, strict=True):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

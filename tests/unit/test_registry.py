@@ -91,6 +91,7 @@ def test_the_choice_is_cached_but_follows_registrations_overrides_and_replacemen
     __import__("chipops")
     x = torch.ones(2)
     assert registry.call("scratch_double", x).tolist() == [2.0, 2.0]
+    assert registry._CHOICE[("scratch_double", "cpu", "")] == (("reference",), False)
     # a backend registered after the first call wins from the next call on
     registry.register("scratch_double", "late", priority=7)(lambda t: t * 3)
     assert registry.call("scratch_double", x).tolist() == [3.0, 3.0]
@@ -106,3 +107,15 @@ def test_the_choice_is_cached_but_follows_registrations_overrides_and_replacemen
     # a removed one is not called
     del table["late"]
     assert registry.call("scratch_double", x).tolist() == [2.0, 2.0]
+
+
+def test_reset_choices_sees_a_changed_availability(scratch_op):
+    __import__("chipops")
+    state = {"up": True}
+    registry.register("scratch_double", "vendor", priority=5, available=lambda: state["up"])(
+        lambda t: t * 5
+    )
+    assert registry.call("scratch_double", torch.ones(1)).tolist() == [5.0]
+    state["up"] = False  # the vendor library went away (a test faking it)
+    registry.reset_choices()
+    assert registry.call("scratch_double", torch.ones(1)).tolist() == [2.0]

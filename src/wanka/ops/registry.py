@@ -59,9 +59,17 @@ class Backend:
 _REGISTRY: dict[str, dict[str, Backend]] = {}
 # (op, device type, WANKA_OPS_BACKEND) -> (backend names best first, forced): the choice is
 # made once, not on every call (the model calls small ops such as `linear` ~100 times per
-# decoded token). Names, not Backend objects, so a backend replaced in place (benchmarks
-# wrap fn) is seen; register() clears it; `available` is taken to be fixed for a process.
+# decoded token). Names, not Backend objects, so a backend whose fn is replaced in place
+# (benchmarks wrap fn) is called as replaced; register() clears it. Taken to be fixed for a
+# process: each backend's `available()`, priority and device types, and the set of backends
+# (one added to the table without register() is not seen): whoever changes those (tests that
+# fake a vendor library) calls reset_choices().
 _CHOICE: dict[tuple[str, str, str], tuple[tuple[str, ...], bool]] = {}
+
+
+def reset_choices() -> None:
+    """Forget every cached backend choice: the next call of each op chooses again."""
+    _CHOICE.clear()
 
 
 def register(
@@ -79,7 +87,7 @@ def register(
         _REGISTRY.setdefault(op, {})[backend] = Backend(
             backend, fn, device_types, priority, available, supports
         )
-        _CHOICE.clear()
+        reset_choices()
         return fn
 
     return deco
@@ -122,9 +130,11 @@ def backends(op: str) -> dict[str, Backend]:
 def _candidates(op: str, device_type: str) -> tuple[list[Backend], bool]:
     """Backends `op` may use on `device_type`, best first, and whether the first is forced
     (then it is the only one)."""
+    table = backends(op)
+    if torch.compiler.is_compiling():  # no global cache state in a traced graph's guards
+        return _choose(op, device_type, table)
     key = (op, device_type, os.environ.get(ENV_OVERRIDE, ""))
     hit = _CHOICE.get(key)
-    table = backends(op)
     if hit is not None and all(n in table for n in hit[0]):
         return [table[n] for n in hit[0]], hit[1]
     cands, forced = _choose(op, device_type, table)

@@ -145,7 +145,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
         int(os.environ.get("LOCAL_WORLD_SIZE", world)),
         layout_signature(policy, world, job.train_state()["model_config"], _layout_name(dims)),
     )
-    job.start_step = _resume(job, p.init)
+    with runtime.span("restore"):
+        job.start_step = _resume(job, p.init)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
     if job.is_main:

@@ -33,13 +33,15 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
     if start > cfg.train.steps:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps="
                          f"{cfg.train.steps}: raise train.steps to go on, or use a new run.dir")  # fmt: skip
+    rt = job.runtime
     if start == 0:
-        job.metrics.log_eval(0, evaluate(job, 0))
+        with rt.span("eval", step=0), rt.phase("eval", 0):
+            first = evaluate(job, 0)
+        job.metrics.log_eval(0, first)
     result: dict[str, float] = {}
     params = list(job.policy.parameters())
     # Under HSDP a replica holds every gradient element once: the norm sums over one replica.
     shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
-    rt = job.runtime
     for step in range(start, cfg.train.steps):
         # Timeline spans as in pre-training (train/trainer.py), so `wanka report`'s goodput
         # block counts post-training steps: the step span is the whole iteration, its
@@ -66,7 +68,8 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
                   job.ckpt.report(rt.event, rt.node, ck_span)):  # fmt: skip
                 job.ckpt.save(step + 1, job.train_state(), must_succeed=last)
     if start == cfg.train.steps:  # finished already (a rerun): report where it stands
-        result = evaluate(job, start)
+        with rt.span("eval", step=start), rt.phase("eval", start):
+            result = evaluate(job, start)
     job.ckpt.wait()
     if job.snapshots is not None:
         job.snapshots.close(discard=True)  # finished: nothing left to recover from memory
@@ -102,11 +105,13 @@ def _step(job: PostJob, step: int, step_fn: Step, params: list, shard) -> None:
 
 def _last_gasp(job: PostJob, step: int) -> None:
     """Stop on request: a checkpoint of the state after `step` steps, then leave (exit 75)."""
-    job.runtime.progress.enter("checkpoint", step)
-    if job.snapshots is not None:
-        job.snapshots.wait()
-    if job.cfg.checkpoint.enable and step > job.start_step:
-        job.ckpt.save(step, job.train_state())  # must succeed: else exit 2 with the reason
+    rt = job.runtime
+    with (rt.span("last_gasp", step=step), rt.phase("checkpoint", step),
+          job.ckpt.report(rt.event, rt.node)):  # fmt: skip
+        if job.snapshots is not None:
+            job.snapshots.wait()
+        if job.cfg.checkpoint.enable and step > job.start_step:
+            job.ckpt.save(step, job.train_state())  # must succeed: else exit 2 with the reason
     job.metrics.close()
     dist.barrier()
     dist.destroy_process_group()

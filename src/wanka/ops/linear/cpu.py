@@ -24,12 +24,13 @@ FEW_ROWS = (2, 5)  # inclusive range of rows where (W @ x.T).T wins, measured as
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (
-        not FEW_ROWS[0] <= rows <= FEW_ROWS[1]
+        torch.compiler.is_compiling()  # one traced graph: let the compiler pick the GEMM
+        or not FEW_ROWS[0] <= rows <= FEW_ROWS[1]
         or torch.get_num_threads() < 2
-        or torch.compiler.is_compiling()  # one traced graph: let the compiler pick the GEMM
     ):
         return F.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, x.shape[-1]).T).T
+    # contiguous: callers may view the output as F.linear's (a copy of 2-5 rows, ~free)
+    out = (weight @ x.reshape(rows, x.shape[-1]).T).T.contiguous()
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
