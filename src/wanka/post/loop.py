@@ -47,11 +47,8 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
         # block counts post-training steps: the step span is the whole iteration, its
         # snapshot nested inside; eval and checkpoint spans follow it.
         with rt.span("step", step=step) as span:
-            rt.progress.enter("sync", step)
-            stop = rt.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
-            if stop:
-                span["error"] = "stopped before the step"  # not executed: never counted as kept
-            else:
+            stop = rt.stop_before_step(step, span)  # everyone stops here, together
+            if not stop:
                 _step(job, step, step_fn, params, shard)
                 if job.snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
                     with rt.span("snapshot", step=step), rt.phase("snapshot", step):

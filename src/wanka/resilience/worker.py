@@ -107,6 +107,16 @@ class Runtime:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def stop_before_step(self, step: int, span: dict) -> bool:
+        """The check at the top of a step (inside its timeline span): every rank agrees whether
+        a stop was asked for (SIGTERM/SIGUSR1 on any rank); if so the step span is marked not
+        executed, so it is never counted as a kept step."""
+        self.progress.enter("sync", step)
+        stop = self.stop_agreed()
+        if stop:
+            span["error"] = "stopped before the step"
+        return stop
+
     def span(self, kind: str, **extra):
         return self.timeline.span(kind, **extra) if self.timeline else nullcontext(extra)
 

@@ -435,11 +435,8 @@ def _run(cfg: JobConfig) -> dict:
         # ranks' skew), the step, its metrics and its snapshot stall, so time between spans is
         # really outside training. The snapshot span nests inside and is charged as a stall.
         with rt.span("step", step=step) as span:
-            rt.progress.enter("sync", step)
-            stop = rt.stop_agreed()  # SIGTERM/SIGUSR1 on any rank: everyone stops here, together
-            if stop:
-                span["error"] = "stopped before the step"  # not executed: never counted as kept
-            else:
+            stop = rt.stop_before_step(step, span)  # everyone stops here, together
+            if not stop:
                 m = train_step(job, step)
                 _log_step(job, metrics, m, step, start)
                 if snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
