@@ -182,9 +182,13 @@ def test_draft_tunes_only_the_mtp_module_and_measures_acceptance(base, tmp_path)
     for e in evals:
         assert 0.0 <= e["val_acceptance/draft2"] <= e["val_acceptance/draft1"] <= 1.0
         assert 1.0 <= e["val_mean_acceptance_length"] <= 3.0 and e["val_mtp_kl"] >= 0.0
+        assert e["val_mtp_kl_step2"] >= 0.0  # the recursive draft step is trained and scored
         assert 0.0 < e["val_distinct_4grams"] <= 1.0  # sampled text, scored beside acceptance
     train = [x for x in rows if x["kind"] == "train"]
-    assert len(train) == 2 and all(x["loss"] >= 0.0 and x["mtp_positions"] > 0 for x in train)
+    assert len(train) == 2 and all(x["mtp_positions"] > 0 for x in train)
+    for x in train:  # post.speculate = 2 drafts: two steps trained, the loss is their sum
+        assert x["mtp_kl"] > 0.0 and x["mtp_kl_step2"] > 0.0 and "mtp_kl_step3" not in x
+        assert x["loss"] == pytest.approx(x["mtp_kl"] + x["mtp_kl_step2"], rel=1e-4)
     before, _, _ = load_trained(base)
     after, cfg, _ = load_trained(out)
     assert cfg.model == before.cfg

@@ -296,3 +296,43 @@ def test_mtp_entries_of_rows_with_different_last_slots(P):
     for a, b in zip(got, want, strict=True):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["mqa", "mla"])
+@pytest.mark.parametrize("L, ts", [(12, [3, 7]), (40, [20, 33])])  # dense; sparse past k = 16
+def test_trained_recursive_drafts_are_the_decoders_draft_steps(monkeypatch, attention, L, ts):
+    """`wanka draft`'s training-time test (Transformer._recursive_drafts) must compute, at every
+    position t at once, exactly the distributions the decoder's draft steps 1..3 give after a
+    prompt ending at t when the drafts are the text's own next tokens: same inputs, positions,
+    cache contents (first-pass keys up to t, earlier steps' keys) and sparse selection."""
+    cfg = dataclasses.replace(CFG, attention=attention)
+    model = _model(cfg, seed=5)
+    with torch.no_grad():  # sharp attention scores, so that positions and key sets matter
+        for w in model.mtp[0].block.attention.parameters():
+            w.mul_(4.0 if w.dim() == 2 else 1.0)
+    tokens = torch.randint(0, 256, (1, L), generator=torch.Generator().manual_seed(2))
+    labels = F.pad(tokens[:, 1:], (0, 1), value=-100)
+    seen = []  # the MTP head's inputs: the first pass, then steps 2 and 3
+    hook = model.mtp[0].norm.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    with torch.no_grad():
+        parts = model(tokens, torch.arange(L)[None], torch.zeros_like(tokens), labels,
+                      mtp_self=True, draft_steps=3)  # fmt: skip
+    hook.remove()
+    assert len(seen) == 3 and len(parts.draft_kl) == 2
+    assert [int(c) for _, c in parts.draft_kl] == [L - 3, L - 4]  # t + s + 1 still in the row
+    trained = [torch.softmax(model._logits(x), -1) for x in seen]
+
+    import wanka.infer.generate as generate
+
+    for t in ts:
+        forced = iter([int(tokens[0, t + 2]), int(tokens[0, t + 3]), 0])
+        monkeypatch.setattr(generate, "draw", lambda q, gen, it=forced: torch.tensor([next(it)]))
+        gen = Generator(model, Sampling(1.0), speculate=3)
+        gen.max_new = 8
+        with torch.no_grad():
+            cache, pos, _, hidden, indices = gen._prefill([tokens[0, : t + 1].tolist()], n_mtp=1)
+            first = gen._mtp_entries(cache, 0, hidden, tokens[:, 1 : t + 2],
+                                     gen._prompt_positions, indices, torch.tensor([t]))  # fmt: skip
+            _, probs = gen._draft(cache, t + 1, pos, first)
+        for j in range(3):
+            torch.testing.assert_close(probs[0, j], trained[j][0, t], rtol=1e-5, atol=1e-6)

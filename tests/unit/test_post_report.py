@@ -50,12 +50,15 @@ def _rl_run(run: Path) -> None:
 def _draft_run(run: Path) -> None:
     """The rows `wanka draft` writes (post/draft.py's eval keys)."""
     w = MetricsWriter(run, is_main=True, total_steps=4, tensorboard=False, stream=io.StringIO())  # fmt: skip
-    w.log_eval(0, {"val_mtp_kl": 0.45, "val_acceptance/draft1": 0.8, "val_acceptance/draft2": 0.5,
+    w.log_eval(0, {"val_mtp_kl": 0.45, "val_mtp_kl_step2": 0.9, "val_acceptance/draft1": 0.8,
+                   "val_acceptance/draft2": 0.5,
                    "val_mean_acceptance_length": 2.3, "val_distinct_4grams": 0.8})  # fmt: skip
     for s in range(1, 5):
-        w.log_train(s, {"loss": 0.4 / s, "mtp_positions": 1000.0, "tokens": 1100.0,
+        w.log_train(s, {"loss": 1.2 / s, "mtp_kl": 0.4 / s, "mtp_kl_step2": 0.8 / s,
+                        "mtp_positions": 1000.0, "tokens": 1100.0,
                         "grad_norm": 0.3, "lr": 1e-3, "step_time": 0.4})  # fmt: skip
-    w.log_eval(4, {"val_mtp_kl": 0.05, "val_acceptance/draft1": 0.95, "val_acceptance/draft2": 0.875,
+    w.log_eval(4, {"val_mtp_kl": 0.05, "val_mtp_kl_step2": 0.125, "val_acceptance/draft1": 0.95,
+                   "val_acceptance/draft2": 0.875,
                    "val_mean_acceptance_length": 2.825, "val_distinct_4grams": 0.75})  # fmt: skip
     w.close()
 
@@ -124,6 +127,7 @@ def test_draft_summary_and_png(tmp_path: Path) -> None:
     assert is_post_run(train, evals, events) == "draft"
     assert summarize_post(train, evals, events) == [
         "val_mtp_kl     : first 0.4500 (step 0), last 0.0500 (step 4)",
+        "val_mtp_kl_step2: first 0.9000 (step 0), last 0.1250 (step 4)",
         "val_mean_acceptance_length: first 2.3000 (step 0), last 2.8250 (step 4)",
         "val_distinct_4grams: first 0.8000 (step 0), last 0.7500 (step 4)",
         "acceptance     : draft1 95.0%, draft2 87.5% (last eval)",

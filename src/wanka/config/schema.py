@@ -238,6 +238,9 @@ class PostConfig:
     updates_per_batch: int = 1  # rl: optimizer steps on each batch of samples (PPO epochs)
     kl_coef: float = 0.04  # rl: KL to the frozen initial policy
     speculate: int = 2  # draft: drafts per round of the held-out speculative decoding
+    # draft: drafts per round the MTP module is trained for (draft 2.. on its own output,
+    # EAGLE-3's training-time test); 0 = post.speculate, 1 = the first draft only
+    draft_steps: int = 0
     eval_prompts: int = 16  # held-out prompts per domain for the eval
 
 

@@ -31,6 +31,24 @@ class AttnAux:
     indices: torch.Tensor | None  # top-k indices to share with following layers
     kl_sum: torch.Tensor | None  # indexer KL summed over query tokens (None: no indexer)
     kl_count: int = 0
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None  # this pass's (k, v) [B, L, D]
+
+
+@dataclass
+class DraftKeys:
+    """What a recursive MTP draft step attends to besides its own key (EAGLE-3's training-time
+    test, `ops extra_key_attention`): the first pass's k, v [B, L, D] (query t reads those at
+    <= t of its document, or its selection) and the keys the earlier draft steps wrote for
+    the same query, each [B, L, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    extra_k: tuple[torch.Tensor, ...] = ()
+    extra_v: tuple[torch.Tensor, ...] = ()
+
+    def then(self, keys: tuple[torch.Tensor, torch.Tensor]) -> DraftKeys:
+        """The next step's view: this step's own (k, v) joins the extra keys."""
+        return DraftKeys(self.k, self.v, (*self.extra_k, keys[0]), (*self.extra_v, keys[1]))
 
 
 class Indexer(nn.Module):
@@ -71,19 +89,40 @@ class Attention(nn.Module):
         shared_indices,
         phase: str,
         layout=None,
+        draft: DraftKeys | None = None,
     ) -> tuple[torch.Tensor, AttnAux]:
         """layout: None, or a CPLayout (distributed/context_parallel.py) when this rank holds
         only some pieces of the sequences: then keys come from the whole CP group and
-        `shared_indices` is one index tensor per layout segment."""
+        `shared_indices` is one index tensor per layout segment.
+        draft: a recursive MTP draft step (no indexer, whole rows): query t attends to the
+        first pass's keys and its own extra keys, `_draft_core`."""
         B, L, _ = x.shape
         q, k, v, qi, ki, wi = self._project(x, positions, ropes)
+        if draft is not None:
+            out = self._draft_core(q, k, v, doc_ids, shared_indices, phase, draft)
+            return self._output(out), AttnAux(None, None, 0, (k, v))
         if layout is None:
             out, indices, kl_sum = self._core(q, k, v, qi, ki, wi, doc_ids, shared_indices,
                                               phase, sparse=L > self.topk)  # fmt: skip
         else:
             out, indices, kl_sum = self._core_cp(q, k, v, qi, ki, wi, doc_ids, shared_indices,
                                                  phase, layout)  # fmt: skip
-        return self._output(out), AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0)
+        aux = AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0, (k, v))
+        return self._output(out), aux
+
+    def _draft_core(self, q, k, v, doc_ids, shared, phase, draft: DraftKeys) -> torch.Tensor:
+        """The decoder's draft step j + 1 at slot t + j, all t at once: the MTP cache holds the
+        first pass's keys up to t, then the earlier steps' keys and this one's. Sparse as the
+        first pass is (the main model's selection at t); the decoder then keeps K slots, the j
+        draft slots and the first K - j selected ones (infer/generate.py, `_draft`), so the
+        selection is cut the same way."""
+        extra_k = torch.stack([*draft.extra_k, k], dim=2)
+        extra_v = torch.stack([*draft.extra_v, v], dim=2)
+        indices = None
+        if shared is not None and phase == "sparse" and q.shape[1] > self.topk:
+            indices = shared[..., : max(shared.shape[-1] - extra_k.shape[2], 0)]
+        return ops.call("extra_key_attention", q, draft.k, draft.v, doc_ids, indices, extra_k,
+                        extra_v, self.scale)  # fmt: skip
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """[B, L, H, D] per-head attention output -> [B, L, dim]."""

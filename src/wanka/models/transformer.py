@@ -15,7 +15,7 @@ from torch import nn
 
 from wanka import ops
 from wanka.config.schema import ModelConfig
-from wanka.models.attention import Attention, make_ropes
+from wanka.models.attention import Attention, DraftKeys, make_ropes
 from wanka.models.layers import FeedForward, Linear, RMSNorm
 from wanka.models.mla import MLAttention
 from wanka.models.moe import MoE, MoELosses
@@ -34,6 +34,8 @@ class LossParts:
     balance: torch.Tensor  # batch-wise balance loss, mean over MoE layers
     seq_balance: torch.Tensor  # sequence-wise balance loss (mean over rows), mean over MoE layers
     logits: torch.Tensor | None = None  # [B, L, V] of the main head, when asked for
+    # mtp_self with draft_steps > 1: (KL sum, count) of each recursive draft step 2, 3, ...
+    draft_kl: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 class Block(nn.Module):
@@ -45,9 +47,10 @@ class Block(nn.Module):
         self.moe = MoE(cfg) if is_moe else None
         self.ffn = None if is_moe else FeedForward(cfg.dim, cfg.dense_hidden)
 
-    def forward(self, x, positions, doc_ids, ropes, shared_indices, phase, layout=None):
+    def forward(self, x, positions, doc_ids, ropes, shared_indices, phase, layout=None,
+                draft: DraftKeys | None = None):  # fmt: skip
         h, aux = self.attention(
-            self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase, layout
+            self.attention_norm(x), positions, doc_ids, ropes, shared_indices, phase, layout, draft
         )
         x = x + h
         moe_losses: MoELosses | None = None
@@ -136,6 +139,7 @@ class Transformer(nn.Module):
         layout=None,
         return_logits: bool = False,
         mtp_self: bool = False,
+        draft_steps: int = 1,
     ) -> LossParts:
         """layout: None, or a CPLayout when the rows are split over a context-parallel group
         (it also carries the tokens and labels MTP looks ahead to, held by other ranks).
@@ -144,10 +148,16 @@ class Transformer(nn.Module):
         mtp_self: MTP depth d at t learns the main model's own (detached) next-token
         distribution at t + d, KL(main || MTP), instead of the label there: the drafts that
         speculative decoding keeps are the ones the main model would have chosen
-        (`wanka draft`). Needs the whole rows on this rank (no layout)."""
+        (`wanka draft`). Needs the whole rows on this rank (no layout).
+        draft_steps > 1 (with mtp_self): depth 1 is also trained as the decoder reuses it for
+        drafts 2 .. draft_steps, on its own output (`_recursive_drafts`); their KLs come back
+        in LossParts.draft_kl, mtp_sum / mtp_count stay the first draft's."""
         if mtp_self and (layout is not None or return_logits):
             raise ValueError("mtp_self needs the main logits of whole rows: no context "
                              "parallel layout, no return_logits")  # fmt: skip
+        if draft_steps > 1 and not (mtp_self and self.mtp):
+            raise ValueError("draft_steps > 1 trains the recursive drafts of MTP depth 1 against "
+                             "the main model: needs mtp_self and an MTP module")  # fmt: skip
         ropes = {"attn": self.rope_attn, "index": self.rope_index}
         h = self.tok_embeddings(tokens)
         indices, kl_sum, kl_count, moe_losses = None, h.new_zeros(()), 0, []
@@ -165,25 +175,51 @@ class Transformer(nn.Module):
             lm_sum, lm_count = _ce(logits, labels)
 
         mtp_sum, mtp_count = h.new_zeros(()), h.new_zeros((), dtype=torch.long)
+        draft_kl = ()
         for d, mtp in enumerate(self.mtp if not return_logits else (), start=1):
             # depth d at position t predicts token t+d+1: shift tokens/labels left by d.
             ahead = _shift(tokens, d, 0) if layout is None else layout.mtp_tokens[d - 1]
             nxt = self.tok_embeddings(ahead)
             h = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
-            h, _, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase, layout)
+            h, aux, _ = mtp.block(h, positions, doc_ids, ropes, indices, phase, layout)
             target = mtp_labels(labels, doc_ids, d) if layout is None else layout.mtp_labels[d - 1]
             if mtp_self:
                 s, c = _kl_to_main(self._logits(mtp.norm(h)), logits, target != -100, d)
             else:
                 s, c = _ce(self._logits(mtp.norm(h)), target)
             mtp_sum, mtp_count = mtp_sum + s, mtp_count + c
+            if d == 1 and draft_steps > 1:
+                draft_kl = self._recursive_drafts(mtp, h, aux.keys, tokens, positions, doc_ids,
+                                                  ropes, indices, phase, logits, labels,
+                                                  draft_steps)  # fmt: skip
 
         if moe_losses:
             balance, seq_balance = (torch.stack(t).mean() for t in zip(*moe_losses))
         else:
             balance = seq_balance = h.new_zeros(())
         return LossParts(lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance,
-                         seq_balance, logits if return_logits else None)  # fmt: skip
+                         seq_balance, logits if return_logits else None, draft_kl)  # fmt: skip
+
+    def _recursive_drafts(self, mtp: MTPModule, h, keys, tokens, positions, doc_ids, ropes,
+                          indices, phase, main_logits, labels, steps: int):  # fmt: skip
+        """EAGLE-3's training-time test. The decoder drafts 2 .. N by running depth 1 again on
+        its own output: step s at position t + s - 1 reads the previous step's hidden state
+        there and the token drafted before it, and attends to the MTP cache (the first pass's
+        keys up to t, the earlier steps' keys, its own). Pre-training and the first pass only
+        ever feed it the main model's hidden state. Here every t runs those steps at once with
+        the text's own tokens as the drafts (the text is the main model's), each against the
+        main model's distribution s tokens ahead -> ((KL sum, count) per step 2 .. steps)."""
+        draft, out = DraftKeys(*keys), []
+        for s in range(2, steps + 1):
+            nxt = self.tok_embeddings(_shift(tokens, s, 0))
+            x = mtp.proj(torch.cat([mtp.hidden_norm(h), mtp.embed_norm(nxt)], dim=-1))
+            # Positions past the table only occur where no target is valid (masked below).
+            pos = (positions + s - 1).clamp(max=self.cfg.max_seq_len - 1)
+            h, aux, _ = mtp.block(x, pos, doc_ids, ropes, indices, phase, None, draft)
+            draft = draft.then(aux.keys)
+            valid = mtp_labels(labels, doc_ids, s) != -100
+            out.append(_kl_to_main(self._logits(mtp.norm(h)), main_logits, valid, s))
+        return tuple(out)
 
     # Inference (wanka/infer): the same math over a KV cache. `cache` has one LayerCache per
     # main layer then one per MTP depth; the new tokens sit at slots [start, start + Lq).

@@ -2,6 +2,7 @@
 
 from wanka.ops import (  # noqa: F401
     dense_attention,
+    extra_key_attention,
     grouped_experts,
     indexer_kl,
     lightning_indexer,

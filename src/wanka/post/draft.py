@@ -7,6 +7,11 @@ own next-token distribution d tokens ahead (KL(main || MTP) per position, exact 
 vocabulary) on text it generated itself from the prompts (the text decoding will meet), the
 prompt's corpus tokens included. Held-out evals run real speculative decoding on held-out
 prompts and report the acceptance per draft position and the mean acceptance length.
+The decoder drafts 2 .. N by running depth 1 again on its own output, which pre-training
+never shows it: with post.draft_steps > 1 (default: post.speculate) those steps are trained
+too, the text's tokens standing in for the drafts (EAGLE-3's training-time test,
+Transformer._recursive_drafts), each against the main model's distribution that far ahead;
+the loss is the sum over steps of each step's per-position KL.
 The result is a run directory `wanka generate --speculate N` and `wanka bench decode` read.
 With model.mtp_depth > 1 every depth is tuned (depth d against the main model d tokens ahead),
 but the decoder drafts with depth 1 only (docs/INFERENCE.md).
@@ -36,6 +41,13 @@ def check_draft(cfg: JobConfig) -> None:
     if cfg.post.speculate < 1:
         raise ValueError(f"post.speculate={cfg.post.speculate}: the held-out evals decode with "
                          "that many drafts per round, 1 or more")  # fmt: skip
+    if cfg.post.draft_steps < 0:
+        raise ValueError(f"post.draft_steps={cfg.post.draft_steps}: drafts per round to train, "
+                         "1 or more (0 = post.speculate)")  # fmt: skip
+
+
+def draft_steps(cfg: JobConfig) -> int:
+    return cfg.post.draft_steps or cfg.post.speculate
 
 
 def row_labels(s: Samples) -> torch.Tensor:
@@ -43,6 +55,30 @@ def row_labels(s: Samples) -> torch.Tensor:
     positions the MTP loss reads (depth d needs the label d - 1 tokens ahead too)."""
     nxt_real = torch.nn.functional.pad(s.doc_ids[:, 1:] == 0, (0, 1), value=False)
     return torch.where((s.doc_ids == 0) & nxt_real, s.targets, torch.full_like(s.targets, -100))
+
+
+def kl_terms(job: PostJob, s: Samples) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(KL sum, position count) of each trained draft step on rows s: the first draft (with
+    every MTP depth > 1 added in), then the recursive steps 2, 3, ..."""
+    parts = job.policy(s.tokens, s.positions, s.doc_ids, row_labels(s), mtp_self=True,
+                       draft_steps=draft_steps(job.cfg))  # fmt: skip
+    zero_routing_counts(job.policy)
+    return [(parts.mtp_sum, parts.mtp_count), *parts.draft_kl]
+
+
+def kl_names(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}mtp_kl"] + [f"{prefix}mtp_kl_step{j}" for j in range(2, n + 1)]
+
+
+def mtp_losses(job: PostJob, s: Samples) -> tuple[torch.Tensor, dict[str, float]]:
+    """-> (the loss: each step's KL sum over its position count on all ranks, summed over
+    steps; the per-position KL of each step, all ranks)."""
+    terms = kl_terms(job, s)
+    totals = global_sum(*(float(c) for _, c in terms), *(float(x.detach()) for x, _ in terms))
+    n, sums = totals[: len(terms)], totals[len(terms) :]
+    loss = sum(x / max(c, 1.0) for (x, _), c in zip(terms, n))
+    logged = {k: x / max(c, 1.0) for k, x, c in zip(kl_names("", len(terms)), sums, n)}
+    return loss, {**logged, "mtp_positions": n[0]}
 
 
 def make_step():
@@ -57,14 +93,11 @@ def make_step():
         completions = job.sample(tokens, step)  # the frozen main model's own text
         s = assemble(tokens, completions, job.device,
                      length=global_max(row_length(tokens, completions)))  # fmt: skip
-        parts = job.policy(s.tokens, s.positions, s.doc_ids, row_labels(s), mtp_self=True)
-        zero_routing_counts(job.policy)
-        n, kl = global_sum(float(parts.mtp_count), float(parts.mtp_sum.detach()))
-        loss = parts.mtp_sum / max(n, 1.0)
+        loss, logged = mtp_losses(job, s)
         total = sum(len(t) + len(c) for t, c in zip(tokens, completions))
         (processed,) = global_sum(float(total))
-        return iter([loss]), {"loss": kl / max(n, 1.0), "mtp_positions": n,
-                              "row_tokens": processed}  # fmt: skip
+        kls = [v for k, v in logged.items() if k.startswith("mtp_kl")]
+        return iter([loss]), {"loss": sum(kls), **logged, "row_tokens": processed}
 
     return step_loss
 
@@ -108,7 +141,8 @@ def held_out_kl(job: PostJob) -> dict[str, float]:
     """KL(main || MTP) per position on the held-out prompts' corpus continuations (none when
     the prompts come without a reference)."""
     C = job.cfg.post.completion_tokens
-    sums = [0.0, 0.0]
+    steps = draft_steps(job.cfg)
+    sums = [0.0] * (2 * steps)  # KL sums, then counts, per step
     scored = [x for x in job.val_prompts if x.reference]
     if not scored:
         return {}
@@ -117,14 +151,15 @@ def held_out_kl(job: PostJob) -> dict[str, float]:
         rows = chunk or scored[:1]  # an empty round still joins the collectives
         s = assemble([job.encode(x.text) for x in rows],
                      [job.encode(x.reference)[:C] or [0] for x in rows], job.device)  # fmt: skip
-        parts = job.policy(s.tokens, s.positions, s.doc_ids, row_labels(s), mtp_self=True)
-        zero_routing_counts(job.policy)
+        terms = kl_terms(job, s)
         if chunk:
-            sums[0] += float(parts.mtp_sum)
-            sums[1] += float(parts.mtp_count)
+            for j, (x, c) in enumerate(terms):
+                sums[j] += float(x)
+                sums[steps + j] += float(c)
     job.policy.train()
-    kl, n = global_sum(*sums)
-    return {"val_mtp_kl": kl / max(n, 1.0)}
+    totals = global_sum(*sums)
+    return {k: totals[j] / max(totals[steps + j], 1.0)
+            for j, k in enumerate(kl_names("val_", steps))}  # fmt: skip
 
 
 @collected

@@ -99,7 +99,9 @@ def summarize_post(train: list[dict], evals: list[dict], events: list[dict]) -> 
         if rs:
             lines.append(f"train reward   : last {rs[-1]:.4f}")
     elif kind == "draft":
-        for key in ("val_mtp_kl", "val_mean_acceptance_length", "val_distinct_4grams"):
+        steps = _keys(evals, "val_mtp_kl_step")
+        for key in ("val_mtp_kl", *(f"val_mtp_kl_step{k}" for k in steps),
+                    "val_mean_acceptance_length", "val_distinct_4grams"):  # fmt: skip
             xs, ys = _series(evals, key)
             if ys:
                 lines.append(f"{key:<15}: first {ys[0]:.4f} (step {xs[0]}), last {ys[-1]:.4f} (step {xs[-1]})")  # fmt: skip
@@ -195,10 +197,17 @@ def _rl_panels(axes, train: list[dict], evals: list[dict]) -> None:
 
 def _draft_panels(axes, train: list[dict], evals: list[dict]) -> None:
     ax_kl, ax_acc, ax_gn = axes
-    # Panel 1: the KL the drafter minimises (train, on its own samples) and on held-out text.
-    drawn = _line(ax_kl, train, "loss", color="black", label="loss (KL main || MTP)")
-    drawn |= _line(ax_kl, evals, "val_mtp_kl", color="tab:blue", linestyle="--", marker="o",
-                   markersize=4, label="held-out KL")  # fmt: skip
+    # Panel 1: the KL the drafter minimises (train, on its own samples: the sum over trained
+    # draft steps, and each step's) and on held-out text.
+    drawn = _line(ax_kl, train, "loss", color="black", label="loss (sum over draft steps)")
+    steps = ["", *(f"_step{k}" for k in _keys(evals, "val_mtp_kl_step"))]
+    for n, step in enumerate(steps):
+        name = f"draft {n + 1}" if len(steps) > 1 else "KL main || MTP"
+        if len(steps) > 1:  # one step: the loss is that step's KL
+            drawn |= _line(ax_kl, train, "mtp_kl" + step, color=f"C{n}", linewidth=0.8,
+                           label=f"{name} (train)")  # fmt: skip
+        drawn |= _line(ax_kl, evals, "val_mtp_kl" + step, color=f"C{n}", linestyle="--",
+                       marker="o", markersize=4, label=f"{name} (held-out)")  # fmt: skip
     if drawn:
         ax_kl.legend(loc="best", fontsize="small")
     else:
