@@ -121,8 +121,8 @@ def test_layers_without_indexer_reuse_the_last_indexer_layers_indices(monkeypatc
     seen = []
     orig = Attention.forward
 
-    def spy(self, x, positions, doc_ids, ropes, shared_indices, phase, layout=None):
-        out, aux = orig(self, x, positions, doc_ids, ropes, shared_indices, phase, layout)
+    def spy(self, x, positions, doc_ids, ropes, shared_indices, phase, layout=None, draft=None):
+        out, aux = orig(self, x, positions, doc_ids, ropes, shared_indices, phase, layout, draft)
         seen.append((self.indexer is not None, shared_indices, aux.indices))
         return out, aux
 
