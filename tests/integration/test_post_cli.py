@@ -58,6 +58,8 @@ def base(tmp_path_factory) -> Path:
         ("sft", ["post.sft_source=web"], "post.sft_source"),
         ("sft", ["post.init="], "post.init is empty"),
         ("draft", ["post.speculate=0"], "post.speculate=0"),
+        ("draft", ["post.draft_steps=-1"], "post.draft_steps=-1"),
+        ("draft", ["post.draft_steps=65", "post.completion_tokens=64"], "post.draft_steps=65"),
         ("draft", ["post.temperature=0"], "must be > 0"),
     ],
 )

@@ -423,3 +423,96 @@ def test_npu_backends_unavailable_without_torch_npu(monkeypatch):
         assert not ops.registry.backends(op)["npu"].available()
         assert ops.select(op, "npu").name == "reference"
         assert ops.select(op, "cpu").name == "cpu"
+
+
+# --- MLA's latent form ------------------------------------------------------------------
+
+
+def _mla_inputs(B, L, H, K, seed=0, latent=512, rope=64):
+    from wanka.ops.index_patterns import random_indices
+
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, L, H, latent + rope, generator=g) * 0.1).to(BF16)
+    kv = torch.randn(B, L, latent + rope, generator=g).to(BF16)
+    idx = random_indices(B, L, K, doc_ids=_docs(B, L, (7,)), seed=seed)
+    return q, kv, idx.gather(-1, torch.rand(idx.shape, generator=g).argsort(-1))
+
+
+def test_mla_latent_form_runs_the_fused_op_with_its_rope_parts(fake_npu, monkeypatch):
+    """q and kv of 512 + 64: the fused op gets the latent as query / key (= value) and the
+    RoPE parts as query_rope / key_rope; output and gradients equal the definition (attention
+    over the whole key, value = the key, output's latent part)."""
+    from wanka.ops.mla_sparse_attention import npu as mla_npu
+    from wanka.ops.mla_sparse_attention import reference as mla_ref
+
+    B, L, H, K = 1, 15, 2, 5
+    monkeypatch.setattr(sa_npu, "GRAD_TOPK", K)
+    q, kv, idx = _mla_inputs(B, L, H, K, seed=1)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    out = mla_npu.mla_sparse_attention(q, kv, idx, 0.05, 64)
+    assert out.shape == (B, L, H, 512) and out.dtype == BF16
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(BF16)
+    g = torch.autograd.grad(out, (q, kv), go)
+    qr, kvr = (x.detach().float().requires_grad_(True) for x in (q, kv))
+    ref = mla_ref.mla_sparse_attention(qr, kvr, idx, 0.05, 64)
+    g_r = torch.autograd.grad(ref, (qr, kvr), go.float())
+    assert fake_npu.calls == ["npu_sparse_flash_attention", "npu_sparse_flash_attention_grad"]
+    torch.testing.assert_close(out.float(), ref, **VAL_TOL)
+    # dkv: the latent gets its K-side and V-side gradients, the RoPE key its K-side one.
+    for name, a, b in zip(("dq", "dkv"), g, g_r, strict=True):
+        torch.testing.assert_close(a.float(), b, **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert b[..., 512:].abs().sum() > 0  # the RoPE parts carry gradient: not zeroed
+
+
+@pytest.mark.parametrize("change, reason", [("rope", "rope dim 32"), ("latent", "head dim 64"),
+                                            ("float32", "dtype")])  # fmt: skip
+def test_mla_latent_form_falls_back_outside_limits(fake_npu, caplog, change, reason):
+    from wanka.ops.mla_sparse_attention import npu as mla_npu
+    from wanka.ops.mla_sparse_attention import reference as mla_ref
+
+    dims = {"rope": (512, 32), "latent": (64, 64)}.get(change, (512, 64))
+    q, kv, idx = _mla_inputs(1, 12, 2, 6, seed=2, latent=dims[0], rope=dims[1])
+    if change == "float32":
+        q, kv = q.float(), kv.float()
+    with caplog.at_level(logging.WARNING, logger="wanka.ops.npu"):
+        out = mla_npu.mla_sparse_attention(q, kv, idx, 0.1, dims[1])
+    assert fake_npu.calls == []
+    ref = mla_ref.mla_sparse_attention(q, kv, idx, 0.1, dims[1])  # generic: the CPU backend
+    torch.testing.assert_close(out.float(), ref.float(), **VAL_TOL)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and reason in lines[0] and "mla_sparse_attention" in lines[0]
+
+
+def test_an_mla_layer_of_deepseek_v32_dims_reaches_the_fused_op(monkeypatch):
+    """An MLA layer with kv_lora_rank 512 and qk_rope_head_dim 64 (the production flavor's)
+    calls the latent form in the sparse phase, with arguments the NPU backend takes once in
+    bfloat16 (on an NPU the model runs in bf16)."""
+    from wanka.config.schema import ModelConfig
+    from wanka.models.attention import make_ropes
+    from wanka.models.mla import MLAttention
+    from wanka.ops.mla_sparse_attention import npu as mla_npu
+
+    cfg = ModelConfig(attention="mla", dim=64, n_heads=4, q_lora_rank=32, kv_lora_rank=512,
+                      qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
+                      n_index_heads=2, index_head_dim=64, max_seq_len=64)  # fmt: skip
+    layer = MLAttention(cfg, has_indexer=True)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    seen = []
+    real_call = ops.registry.call
+
+    def spy(op, *args, **kwargs):
+        seen.append((op, args))
+        return real_call(op, *args, **kwargs)
+
+    monkeypatch.setattr(ops.registry, "call", spy)
+    monkeypatch.setattr(ops, "call", spy)
+    L = 16
+    x, pos = torch.randn(1, L, 64), torch.arange(L)[None]
+    layer(x, pos, torch.zeros(1, L, dtype=torch.long), make_ropes(cfg), None, "sparse")
+    calls = [a for op, a in seen if op == "mla_sparse_attention"]
+    assert len(calls) == 1 and "sparse_attention" not in [op for op, _ in seen]
+    q, kv, idx, _scale, rope = calls[0]
+    assert q.shape == (1, L, 4, 576) and kv.shape == (1, L, 576) and rope == 64
+    assert mla_npu.unsupported(q.to(BF16), kv.to(BF16), idx, rope, needs_grad=False) is None

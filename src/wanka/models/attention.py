@@ -124,6 +124,10 @@ class Attention(nn.Module):
         return ops.call("extra_key_attention", q, draft.k, draft.v, doc_ids, indices, extra_k,
                         extra_v, self.scale)  # fmt: skip
 
+    def _sparse(self, q, k, v, indices) -> torch.Tensor:
+        """Core attention over the selected keys (MLA: its latent form)."""
+        return ops.call("sparse_attention", q, k, v, indices, self.scale)
+
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """[B, L, H, D] per-head attention output -> [B, L, dim]."""
         return self.wo(out.reshape(*out.shape[:2], -1))
@@ -165,7 +169,7 @@ class Attention(nn.Module):
         if keys.shape[1] > self.topk and (self.indexer is not None or indices is not None):
             if self.indexer is not None:
                 indices, _ = ops.call("lightning_indexer", qi, index_keys, wi, docs, self.topk)
-            out = ops.call("sparse_attention", q, keys, values, indices, self.scale)
+            out = self._sparse(q, keys, values, indices)
         else:
             out = ops.call("dense_attention", q, keys, values, docs, self.scale)
         return self._output(out), indices
@@ -227,7 +231,7 @@ class Attention(nn.Module):
                 raise RuntimeError(
                     "sparse attention layer has neither an indexer nor shared indices"
                 )
-            out = ops.call("sparse_attention", q, k, v, indices, self.scale)
+            out = self._sparse(q, k, v, indices)
         else:
             out = ops.call("dense_attention", q, k, v, doc_ids, self.scale)
         return out, indices, kl_sum

@@ -6,9 +6,10 @@ As in DeepSeek-V3.2, attention runs in MQA mode over the latent: each head's no-
 absorbed into the latent space through its slice of wkv_b, so every head attends to the same
 key, [latent | rope key] (kv_lora_rank + qk_rope_head_dim wide), and the value is that same
 tensor (K = V): the output's latent part is mapped back to each head's value space. The op
-registry's attention ops therefore see plain MQA with k = v, the layout fused MLA kernels
-(FlashMLA, torch_npu's sparse flash attention) take, and the KV cache holds only the latent
-and the RoPE key (plus the indexer keys).
+registry's attention ops therefore see plain MQA with k = v, and the sparse one is called in
+its latent form (`mla_sparse_attention`: q, kv, rope_dim -> the latent part of the output),
+the layout fused MLA kernels (FlashMLA, torch_npu's sparse flash attention) take. The KV
+cache holds only the latent and the RoPE key (plus the indexer keys).
 
 The lightning indexer reads the query latent (its queries) and the layer input (its keys
 and head weights); RoPE covers the first qk_rope_head_dim dims of each indexer head.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wanka import ops
 from wanka.config.schema import ModelConfig
 from wanka.models.attention import Attention
 from wanka.models.layers import Linear, RMSNorm, apply_rope
@@ -92,9 +94,16 @@ class MLAttention(Attention):
             qi, ki, wi = self.indexer(x.detach(), q_latent.detach(), ropes["attn"], positions)
         return q_abs, kv, kv, qi, ki, wi
 
+    def _sparse(self, q, k, v, indices) -> torch.Tensor:
+        """k is v = [latent | rope key]: the latent form, whose output is the latent part only
+        (`mla_sparse_attention`; on Ascend with kv_lora_rank 512 and qk_rope_head_dim 64 it is
+        torch_npu's fused sparse attention)."""
+        return ops.call("mla_sparse_attention", q, k, indices, self.scale, self.rope_dim)
+
     def _output(self, out: torch.Tensor) -> torch.Tensor:
-        """[B, L, H, kv_rank + rope] attention over k = v -> its latent part, through each
-        head's value slice of wkv_b, then wo."""
+        """[B, L, H, kv_rank + rope] attention over k = v (or [B, L, H, kv_rank], its latent
+        part, from the sparse op) -> the latent part, through each head's value slice of
+        wkv_b, then wo."""
         B, L = out.shape[:2]
         w_uv = self._wkv_b()[:, self.nope :]  # [H, v, kv_rank]
         o = torch.einsum("blhc,hvc->blhv", out[..., : self.kv_rank], w_uv)

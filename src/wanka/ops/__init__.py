@@ -7,6 +7,7 @@ from wanka.ops import (  # noqa: F401
     indexer_kl,
     lightning_indexer,
     linear,
+    mla_sparse_attention,
     moe_dispatch,
     sparse_attention,
 )

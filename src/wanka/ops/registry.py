@@ -13,7 +13,8 @@ the next usable backend by priority (logged once per op, backend and reason); a 
 backend that declines raises ValueError. References never decline.
 
 Query-suffix contract (context parallelism) of the attention ops `dense_attention`,
-`attention_probs`, `lightning_indexer`, `indexer_scores`, `indexer_kl`, `sparse_attention`:
+`attention_probs`, `lightning_indexer`, `indexer_scores`, `indexer_kl`, `sparse_attention`,
+`mla_sparse_attention`:
 queries may be a suffix of the keys. q has Lq <= Lk tokens, k / v (and the indexer's keys)
 have Lk, `doc_ids` is [B, Lk] (the keys' document ids), and query i sits at key position
 Lk - Lq + i (bottom-right aligned causal, the flash-attention convention). Outputs are per

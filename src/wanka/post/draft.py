@@ -41,9 +41,10 @@ def check_draft(cfg: JobConfig) -> None:
     if cfg.post.speculate < 1:
         raise ValueError(f"post.speculate={cfg.post.speculate}: the held-out evals decode with "
                          "that many drafts per round, 1 or more")  # fmt: skip
-    if cfg.post.draft_steps < 0:
+    if not 0 <= cfg.post.draft_steps <= cfg.post.completion_tokens:
         raise ValueError(f"post.draft_steps={cfg.post.draft_steps}: drafts per round to train, "
-                         "1 or more (0 = post.speculate)")  # fmt: skip
+                         f"from 1 to post.completion_tokens ({cfg.post.completion_tokens}); "
+                         "0 = post.speculate")  # fmt: skip
 
 
 def draft_steps(cfg: JobConfig) -> int:

@@ -8,8 +8,10 @@ documented limits (torch_npu API reference `torch_npu-npu_sparse_flash_attention
 * only `attention_mode=2` (MLA-absorb): query/key head dim D = 512 plus a separate rope part
   (`query_rope` / `key_rope`, D_rope = 64), and key and value are the same data. wanka's
   sparse attention is MQA with one K and one V head of the same dim, so the fused op fits
-  only when D == 512 and `v` is `k` (an MLA-style layer); the rope inputs are passed as
-  zeros, which add exactly 0 to every score. Separate K and V (the current model) fall back.
+  only when D == 512 and `v` is `k`; the rope inputs are passed as zeros, which add exactly 0
+  to every score. Separate K and V (the MQA model) fall back. MLA layers call
+  `mla_sparse_attention` instead, whose NPU backend hands the fused op their real rope parts
+  (ops/mla_sparse_attention/npu.py).
 * layouts BSND / TND; wanka uses BSND: q [B, L, H, D] as is, k [B, L, D] -> [B, L, 1, D]
   (KV_N = 1), indices [B, L, K] int64 -> [B, L, 1, K] int32, with the valid slots moved in
   front of the -1 slots (the op requires valid values first), order kept otherwise. The
@@ -86,26 +88,31 @@ def to_npu_indices(indices: torch.Tensor) -> torch.Tensor:
     return indices.gather(-1, order).to(torch.int32).unsqueeze(2).contiguous()
 
 
-class _FusedSparseAttention(torch.autograd.Function):
+class FusedSparseAttention(torch.autograd.Function):
+    """The fused op in its own terms: query [B, L, H, 512] and its rope part [B, L, H, 64],
+    key = value data [B, L, 512] (passed as `key` and `value`, one tensor or views of one) and
+    the key's rope part [B, L, 64] -> [B, L, H, 512], softmax over q.k + q_rope.k_rope of the
+    selected keys, weights applied to the key (= value) rows. Shared by `sparse_attention`
+    (MQA form with D = 512, rope parts zero) and `mla_sparse_attention` (MLA's latent form,
+    ops/mla_sparse_attention/npu.py)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
+    def forward(ctx, q, q_rope, key, value, k_rope, indices, scale):
         npu = load_torch_npu()
-        B, L, H, D = q.shape
-        query = q.contiguous()
-        key = k.unsqueeze(2).contiguous()  # [B, L, 1, D]; value is the same data
-        q_rope = q.new_zeros(B, L, H, ROPE_DIM)
-        k_rope = q.new_zeros(B, L, 1, ROPE_DIM)
+        query, q_rope = q.contiguous(), q_rope.contiguous()
+        kv = key.unsqueeze(2).contiguous()  # [B, L, 1, 512]; the fused op reads V from it
+        k_rope = k_rope.unsqueeze(2).contiguous()
         idx = to_npu_indices(indices)
-        need_lse = any(ctx.needs_input_grad[:3])
+        need_lse = any(ctx.needs_input_grad[:5])
         out, smax, ssum = npu.npu_sparse_flash_attention(
-            query, key, key, idx, scale,
+            query, kv, kv, idx, scale,
             block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
             query_rope=q_rope, key_rope=k_rope, sparse_block_size=1,
             layout_query="BSND", layout_kv="BSND", sparse_mode=SPARSE_MODE,
             attention_mode=ATTENTION_MODE, return_softmax_lse=need_lse,
         )  # fmt: skip
         if need_lse:
-            ctx.save_for_backward(query, key, idx, out, smax, ssum, q_rope, k_rope)
+            ctx.save_for_backward(query, kv, idx, out, smax, ssum, q_rope, k_rope)
         ctx.scale = scale
         return out
 
@@ -113,21 +120,16 @@ class _FusedSparseAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         npu = load_torch_npu()
-        query, key, idx, out, smax, ssum, q_rope, k_rope = ctx.saved_tensors
-        dq, dk, dv, _dq_rope, _dk_rope = npu.npu_sparse_flash_attention_grad(
-            query, key, key, idx, dout.contiguous(), out, smax, ssum, ctx.scale, 1,
+        query, kv, idx, out, smax, ssum, q_rope, k_rope = ctx.saved_tensors
+        dq, dk, dv, dq_rope, dk_rope = npu.npu_sparse_flash_attention_grad(
+            query, kv, kv, idx, dout.contiguous(), out, smax, ssum, ctx.scale, 1,
             query_rope=q_rope, key_rope=k_rope, actual_seq_qlen=None, actual_seq_kvlen=None,
             layout="BSND", sparse_mode=SPARSE_MODE, attention_mode=ATTENTION_MODE,
         )  # fmt: skip
         needs = ctx.needs_input_grad
-        # k and v are one tensor: autograd adds the K-side and V-side gradients.
-        return (
-            dq if needs[0] else None,
-            dk.squeeze(2) if needs[1] else None,
-            dv.squeeze(2) if needs[2] else None,
-            None,
-            None,
-        )
+        # key and value are one tensor: autograd adds the K-side and V-side gradients.
+        grads = (dq, dq_rope, dk.squeeze(2), dv.squeeze(2), dk_rope.squeeze(2))
+        return (*(g if n else None for g, n in zip(grads, needs)), None, None)
 
 
 @register(OP, "npu", device_types=("npu",), priority=20, available=has_torch_npu, supports=supports)
@@ -141,4 +143,6 @@ def sparse_attention(
     if why is not None:
         fallback_once(OP, why)
         return reference.sparse_attention(q, k, v, indices, scale)
-    return _FusedSparseAttention.apply(q, k, v, indices, float(scale))
+    B, L, H, _ = q.shape
+    q_rope, k_rope = q.new_zeros(B, L, H, ROPE_DIM), q.new_zeros(B, L, ROPE_DIM)
+    return FusedSparseAttention.apply(q, q_rope, k, v, k_rope, indices, float(scale))
