@@ -28,6 +28,10 @@ from wanka.models.stats import (
 from wanka.models.transformer import Transformer
 
 SMALL, TINY, X25 = FLAVORS["small"], FLAVORS["tiny"], FLAVORS["x25-293b"]
+# MLA with every width distinct (q latent 48, kv latent 40, nope 24, rope 8, v 20), so a term
+# with the wrong width shows.
+MLA = dataclasses.replace(TINY, attention="mla", q_lora_rank=48, kv_lora_rank=40,
+                          qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20)  # fmt: skip
 
 
 def cpu(**kw) -> MemorySettings:
@@ -178,13 +182,16 @@ def test_cp_divides_activations_but_keeps_the_blocks_gathered():
 # ------------------------------------------------- activations vs autograd's saved tensors
 
 
-def _saved_by_segment(cfg, B: int, L: int) -> dict[str, int]:
+def _saved_by_segment(cfg, B: int, L: int, dtype=torch.float32) -> dict[str, int]:
     """Bytes autograd keeps for backward after one forward, per block / head segment (each
-    storage counted once, where first saved; parameters and buffers excluded)."""
+    storage counted once, where first saved; parameters and buffers excluded). `dtype`: the
+    parameters' (buffers, the rope tables, stay fp32, as under FSDP2's mixed precision)."""
     with torch.device("meta"):
         m = Transformer(cfg)
     m.to_empty(device="cpu")
     m.init_weights(0)
+    for p in m.parameters():
+        p.data = p.data.to(dtype)
     cur, rec = ["head"], []
     for name, blk in m.layers.items():
         blk.register_forward_pre_hook(lambda *_, n=name: cur.__setitem__(0, f"layer {n}"))
@@ -231,6 +238,39 @@ def test_block_activations_match_autograd(monkeypatch):
     assert got["head"] == main + pre + post + 2 * B * L * cfg.vocab_size * 4 + 2 * 4
 
 
+@pytest.mark.parametrize("attention, dtype", [("mla", "fp32"), ("mla", "bf16"), ("mqa", "bf16")])
+def test_block_activations_match_autograd_mla_and_bf16(monkeypatch, attention, dtype):
+    """MLA (models/mla.py) as above, and both forms in bf16 (bf16 parameters, compute without
+    autocast, fp32 buffers: FSDP2's mixed precision). One known difference in bf16: CPU's
+    layer_norm keeps bf16 mean and rstd [T] in the indexers, where CUDA's keep fp32."""
+    monkeypatch.setenv("WANKA_OPS_BACKEND", "grouped_swiglu=reference")
+    cfg = dataclasses.replace(MLA if attention == "mla" else TINY, n_layers=3)
+    B, L = 2, 128
+    got = _saved_by_segment(cfg, B, L, torch.float32 if dtype == "fp32" else torch.bfloat16)
+    s = MemorySettings(seq_len=L, micro_batch_size=B, compute_dtype=dtype, device_type="cuda")
+    cpu_ln = 2 * B * L * 2 if dtype == "bf16" else 0
+    for i in range(cfg.n_layers):
+        has_indexer = i % cfg.index_share_every == 0
+        est = sum(_block_saved(cfg, s, has_indexer, i >= cfg.n_dense_layers).values())
+        assert got[f"layer {i}"] == est - (cpu_ln if has_indexer else 0), f"layer {i}"
+    assert got["mtp"] == sum(_block_saved(cfg, s, False, False).values())
+    main, pre, post = _head_saved(cfg, s)
+    assert got["head"] == main + pre + post + 2 * B * L * cfg.vocab_size * 4 + 2 * 4
+
+
+def test_mla_cp_keeps_its_gathered_latent_once_when_sparse():
+    """Under CP a segment keeps its copy of the gathered keys: MLA's K = V tensor (latent +
+    rope key) once where the sparse op reads it as both, twice where dense_attention gets the
+    k and v copies _core_cp makes; MQA's K and V (2 head_dim); the indexer keys."""
+    L, Dk, Di = 4096, MLA.kv_lora_rank + MLA.qk_rope_head_dim, MLA.index_head_dim
+    for cfg, phase, width in [(MLA, "sparse", Dk), (MLA, "dense_warmup", 2 * Dk),
+                              (TINY, "sparse", 2 * TINY.head_dim)]:  # fmt: skip
+        cp = cpu(seq_len=L, dp_shard=4, cp=4, phase=phase)
+        one = dataclasses.replace(cp, cp=1, seq_len=cp.tokens)  # same tokens per rank
+        extra = _block_saved(cfg, cp, True, True)["attention"]
+        assert extra - _block_saved(cfg, one, True, True)["attention"] == L * (width + Di) * 4
+
+
 # ---------------------------------------------------------------------------- wanka model
 
 
@@ -255,7 +295,7 @@ def test_model_refuses_an_ep_that_does_not_divide_the_experts(capsys):
 def test_model_x25_defaults_to_a_production_layout(capsys):
     rc, out, _ = run_model(capsys, "x25-293b")
     assert rc == 0
-    assert "total 292." in out and "active" in out
+    assert "total 291." in out and "active" in out
     assert f"preset dp_shard {X25_PRESET['dp']} x ep {X25_PRESET['ep']}" in out
     assert "bf16 compute copies" in out and "activation checkpointing full (preset)" in out
     assert "seq_len 4096 (preset)" in out and "GiB" in out and "initialisation" in out

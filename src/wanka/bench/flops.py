@@ -25,6 +25,23 @@ def _vector_params(cfg: ModelConfig) -> int:
     return sum(p.numel() for p in model.parameters() if p.dim() < 2)
 
 
+def core_flops_per_key(cfg: ModelConfig) -> int:
+    """Forward FLOPs of core attention per (query token, attended key), all query heads.
+
+    MQA (models/attention.py): q.k and p.v over head_dim: 2 x 2 h d.
+    MLA (models/mla.py, MQA mode over the latent): q.k over the absorbed query and the one key
+    [latent | rope key], kv_lora_rank + qk_rope_head_dim wide; p.v over the latent only,
+    kv_lora_rank: the value is that same tensor (K = V), but MLA reads only the output's
+    latent part (`mla_sparse_attention` returns only it and fused kernels skip the rest; the
+    generic backend and dense_attention compute the rope dims too, overhead not counted).
+    FlashMLA counts 2 h (576 + 512) per key the same way.
+    """
+    if cfg.attention == "mla":
+        qk = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        return 2 * cfg.n_heads * (qk + cfg.kv_lora_rank)
+    return 2 * 2 * cfg.n_heads * cfg.head_dim
+
+
 def _mean_min(k: int, L: int) -> float:
     """Mean over query positions t = 1..L of min(k, t): keys a causal query sees, capped at k."""
     k = min(k, L)
@@ -49,7 +66,7 @@ def flops_breakdown(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     causal = (L + 1) / 2  # mean visible keys per query, dense causal attention
     sparse = L > cfg.index_topk  # same rule as models/attention.py
     keys = _mean_min(cfg.index_topk, L) if sparse else causal
-    per_key_core = 2 * 2 * cfg.n_heads * cfg.head_dim  # q.k and p.v, every query head (MQA)
+    per_key_core = core_flops_per_key(cfg)  # q.k and p.v, every query head
     core = cfg.n_layers * per_key_core * keys
     mtp_core = cfg.mtp_depth * per_key_core * causal  # MTP blocks are dense-only
     n_indexers = len([i for i in range(cfg.n_layers) if i % cfg.index_share_every == 0])
@@ -80,12 +97,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
     A_core (main layers, L = seq_len, k = index_topk, h = n_heads, d = head_dim):
         n_layers x 4 h d x K,  with 4 h d = 2 FLOPs x (q.k + p.v) per key and query head
+            (MLA: 2 h (kv_lora_rank + qk_rope_head_dim + kv_lora_rank) instead of 4 h d,
+            q.k over [latent | rope key], p.v over the latent: core_flops_per_key)
         K = mean_t min(k, t) = (k(k+1)/2 + (L-k) k) / L    when L > k (DSA top-k: every layer
             attends to k keys, chosen by its own indexer or shared from the last indexer layer)
         K = (L+1)/2                                         when L <= k (dense causal)
     A_mtp: mtp_depth x 4 h d (L+1)/2 (MTP blocks use dense causal attention).
     A_index: layers with an indexer (layer_id % index_share_every == 0) score every visible
         key, sparse or not: n_indexers x 2 n_index_heads index_head_dim (L+1)/2.
+
+    MLA's absorption einsums (each head's no-RoPE query into the latent through wkv_b's key
+    slice, the output's latent part back through its value slice) cost 2 h (nope + v)
+    kv_lora_rank per token, exactly 2 x wkv_b's parameters: they are wkv_b's matmuls, counted
+    once per token in 2 P like every projection (as the textbook form, which applies wkv_b to
+    each token's latent, would), and not again.
 
     For L >> k the core term per token tends to the constant n_layers 4 h d k, so the
     attention cost of a sequence grows linearly in L; the indexer term per token grows

@@ -16,16 +16,17 @@ over its in-document positions p (causal attention: the query at p sees p + 1 ke
 ``gather`` is not a piece's cost but a step's: seconds per token of a rank's gathered K/V
 buffer (the all-gather forward and reduce-scatter backward, every layer). A plan that
 splits documents over a block of ``span`` ranks pays about ``gather * span * lmax``; the
-dynamic planner only widens the block when the compute it saves is larger. Default: 384 bf16
-values per token per layer (MQA K and V of 128, indexer keys of 128), 48 layers, both
-directions, at ~50 GB/s; the CPU bench does not measure it (its gloo gather is not in the
-ranks' compute), so fitted models keep this estimate.
+dynamic planner only widens the block when the compute it saves is larger. Default: 704 bf16
+values per token per layer (MLA's one K = V tensor, latent 512 + RoPE key 64, gathered once;
+indexer keys of 128), 48 layers, both directions, at ~50 GB/s; the CPU bench does not measure
+it (its gloo gather is not in the ranks' compute), so fitted models keep this estimate.
 
-The defaults are a FLOP estimate of the production shape (x25-293b: ~30B active parameters,
-48 layers of 64 x 128 MQA heads, indexers of 64 x 128 on every 4th layer, topk 2048) on one
+The defaults are a FLOP estimate of the production shape (x25-293b: ~28.9B active parameters,
+48 layers of 64-head MLA, indexers of 64 x 128 on every 4th layer, topk 2048) on one
 ~1 PFLOP/s bf16 accelerator at assumed efficiencies (GEMMs 40%, gather-bound sparse
-attention 10%, indexer scan 25%), in seconds per step. Only their ratios matter for
-balancing; ``fit`` replaces them with measured ones.
+attention 10%, indexer scan 25%), in seconds per step; the per-key attention cost is
+bench/flops.py's core_flops_per_key: 2 x 64 heads x (q.k over 512 + 64, p.v over 512).
+Only their ratios matter for balancing; ``fit`` replaces them with measured ones.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def _prefix_sparse(n: np.ndarray, topk: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CostModel:
-    linear: float = 4.5e-4  # 6 * 30e9 FLOP / (0.4 * 1e15 FLOP/s)
-    sparse: float = 4.8e-8  # 3 * 48 layers * 4 * 64 * 128 FLOP / (0.1 * 1e15)
+    linear: float = 4.33e-4  # 6 * 28.88e9 FLOP / (0.4 * 1e15 FLOP/s)
+    sparse: float = 2.0e-7  # 3 * 48 layers * 2 * 64 * (576 + 512) FLOP / (0.1 * 1e15)
     dense: float = 8e-10  # 12 indexer layers * 2 * 64 * 128 FLOP / (0.25 * 1e15)
     topk: int = 2048
-    gather: float = 1.5e-6  # 2 * 48 * 384 * 2 bytes / 50e9 bytes/s
+    gather: float = 2.7e-6  # 2 * 48 * 704 * 2 bytes / 50e9 bytes/s
 
     def __post_init__(self) -> None:
         coefs = (self.linear, self.sparse, self.dense)

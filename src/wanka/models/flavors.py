@@ -1,5 +1,6 @@
 """Model presets. `tiny` is the demo, `small` (~100M) is for benchmarks, `x25-293b` is the
-production shape (293B total / ~30B active), which is built only on the meta device here."""
+production shape (~292B total / ~29B active, MLA attention as DeepSeek-V3.2's), which is
+built only on the meta device here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ FLAVORS: dict[str, ModelConfig] = {
     "x25-293b": ModelConfig(
         flavor="x25-293b", vocab_size=157184, dim=6144, n_layers=48, n_heads=64,
         head_dim=128, tie_embeddings=False, n_index_heads=64, index_head_dim=128,
+        # DeepSeek-V3.2's MLA (models/mla.py; head_dim is MQA's and unused): attention runs
+        # over K = V = [latent 512 | RoPE key 64], the layout of torch_npu's fused sparse
+        # attention (D 512 + D_rope 64).
+        attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128,
         index_topk=2048, index_share_every=4, n_dense_layers=3, dense_hidden=16384,
         n_experts=160, n_active_experts=10, expert_hidden=2112, n_shared_experts=2,
         mtp_depth=1, max_seq_len=131072,

@@ -69,6 +69,14 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _attention(m) -> str:
+    """The attention form the estimate models (its activations differ widely)."""
+    if m.attention == "mla":
+        return (f"MLA, {m.n_heads} heads over one K = V tensor per token (latent "
+                f"{m.kv_lora_rank} + RoPE key {m.qk_rope_head_dim}), q latent {m.q_lora_rank}")  # fmt: skip
+    return f"MQA, {m.n_heads} heads of {m.head_dim} over one K and one V head"
+
+
 def resolve(args: argparse.Namespace, cfg) -> tuple[dict, list[str]]:
     """The layout and settings to report and, per field, where it came from."""
     from wanka.config.schema import DataConfig, ParallelConfig, RunConfig, TrainConfig
@@ -163,6 +171,7 @@ def model_main(args: argparse.Namespace) -> int:
     c = count_params(m)
     print(f"flavor {m.flavor}: total {c.total / 1e9:.3f}B params, active {c.active / 1e9:.3f}B "
           f"per token, routed experts {c.experts / 1e9:.3f}B")  # fmt: skip
+    print(f"attention: {_attention(m)}")
     est = memory_breakdown(m, s)
     for line in src:
         print(line)

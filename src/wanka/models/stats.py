@@ -14,7 +14,8 @@ fitted to measurements):
 - unsharded gradients of the block in backward (compute dtype) and the reduce-scatter input
   (reduce dtype) they are copied into;
 - activations: what autograd saves for backward in each block, derived op by op from
-  models/attention.py, models/moe.py, models/layers.py and the op backends (see `_block_saved`);
+  models/attention.py (MQA) or models/mla.py (MLA), models/moe.py, models/layers.py and the op
+  backends (see `_block_saved`);
   with activation checkpointing, what the checkpoint keeps plus one block recomputed in backward;
 - the DSA top-k indices (int64) the lightning indexer keeps for backward and hands to the next
   layers;
@@ -26,7 +27,9 @@ fitted to measurements):
 bf16 means FSDP2 mixed precision as distributed/parallelize.py applies it (bf16 parameters
 gathered, compute in bf16 without autocast; RMSNorm statistics, RoPE, router scores, softmaxes
 and losses in fp32, as the model code does). The fp32 path is validated against measured CPU
-runs (bench/memory.py); the bf16 terms follow the same code but have not been measured.
+runs (bench/memory.py); the bf16 terms follow the same code but have not been measured on an
+accelerator (the saved activations, MQA and MLA, fp32 and bf16, are checked against what
+autograd keeps on CPU: tests/unit/test_memory_estimate.py).
 
 Memory is not a sum of everything: the trainer's peak is a moment. The model walks the step
 (forward block by block, loss, backward block by block in reverse, optimizer step, eval) and the
@@ -233,6 +236,48 @@ def _norm_saved(T: int, D: int, c: int) -> float:
     return T * D * (2 * c + (4 if c != 4 else 0)) + T * 4
 
 
+def _kv_width(cfg: ModelConfig) -> int:
+    """MLA's one key = value tensor per token, [latent | rope key]: also the per-head width of
+    its absorbed queries and of the attention output."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def _mqa_saved(cfg: ModelConfig, T: int, c: int) -> float:
+    """The attention part of _block_saved for models/attention.py (MQA)."""
+    H, Dh = cfg.n_heads, cfg.head_dim
+    return (T * 2 * Dh * c + T * (H + 1) * Dh * c + 2 * T * Dh * 4
+            + T * H * Dh * c + T * H * 4)  # fmt: skip
+
+
+def _mla_saved(cfg: ModelConfig, T: int, c: int) -> float:
+    """The attention part of _block_saved for models/mla.py (MLAttention._project, _output;
+    Dk = kv_lora_rank + qk_rope_head_dim, the K = V width):
+
+      q latent   wq_a's output goes through q_norm (an RMSNorm whose output feeds wq_b and the
+                 indexer's wq_b, one storage): _norm_saved, plus in fp32 its input (the pow's)
+      q          wq_b's output [T, H (nope + rope)], kept whole by the absorption einsum's
+                 q_nope view (its grad w.r.t. w_uk); the einsum's other input is wkv_b itself
+      rope rows  fp32 cos/sin [T, rope] for q and for the rope key (the muls keep only those)
+      kv latent  kv_norm on the latent view of wkv_a's output: fp32 keeps that whole output
+                 [T, Dk] (the view's storage), bf16 its fp32 copy [T, kv_lora_rank]; rsqrt;
+                 y (bf16: y.to(bf16)); its output only feeds the cat (nothing saved)
+      attention  absorbed q [T, H, Dk], kv [T, Dk] once (k is v), out [T, H, Dk] and its lse
+                 [T, H] fp32 (the sparse form slices the latent part of out: a view; the
+                 output einsum keeps out's latent view, so out stays whole)
+      wo input   the output einsum's [T, H, v_head_dim] result, copied by the reshape
+
+    On an NPU the fused mla_sparse_attention keeps only out's latent part and its softmax
+    statistics: not modelled, the generic path (the device's sparse_attention) is."""
+    H, r, Dk = cfg.n_heads, cfg.qk_rope_head_dim, _kv_width(cfg)
+    qr, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
+    q_latent = _norm_saved(T, qr, c) + (T * qr * c if c == 4 else 0)
+    q = T * H * (cfg.qk_nope_head_dim + r) * c
+    rope = 2 * T * r * 4
+    kv_latent = (T * Dk * 4 if c == 4 else T * kvr * 4) + T * 4 + T * kvr * c
+    attn = T * (H + 1) * Dk * c + T * H * Dk * c + T * H * 4
+    return q_latent + q + rope + kv_latent + attn + T * H * cfg.v_head_dim * c
+
+
 def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe: bool) -> dict:
     """Bytes saved for backward by one Block.forward (models/transformer.py), by part.
 
@@ -240,12 +285,13 @@ def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe:
       residual      fp32 only: the block input and the mid-block residual (saved by the norms'
                     pow; in bf16 the norms save their own fp32 copies instead)
       norms         2 x RMSNorm (see _norm_saved)
-      attention     wkv output [T, 2 Dh] (kept by the v view), q and k after rope, the rope
-                    cos/sin rows (fp32 [T, Dh] per rope call), attention output [T, H, Dh] and
-                    its log-sum-exp [T, H] fp32 (sparse_attention / dense_attention save q, k,
-                    v, out, lse; wo saves out)
+      attention     MQA: wkv output [T, 2 Dh] (kept by the v view), q and k after rope, the
+                    rope cos/sin rows (fp32 [T, Dh] per rope call), attention output [T, H, Dh]
+                    and its log-sum-exp [T, H] fp32 (sparse_attention / dense_attention save
+                    q, k, v, out, lse; wo saves out). MLA: see _mla_saved
       indexer       q [T, Hi, Di], k [T, Di], w [T, Hi], the layer_norm input and its fp32
-                    mean/rstd, rope rows; sparse: the KL's log_softmax
+                    mean/rstd, rope rows (MQA: Di wide; MLA: qk_rope_head_dim, the
+                    attention's table); sparse: the KL's log_softmax
                     result and p (fp32 [T, K]) and its -inf mask (bool); dense (warm-up or
                     L <= K): indexer_kl saves its gradients dq, dk, dw instead
       indices       sparse: int64 [T, K] top-k indices and the [T] document starts
@@ -266,23 +312,28 @@ def _block_saved(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_moe:
     """
     c = DTYPE_BYTES[s.compute_dtype]
     T, L = s.tokens, s.seq_len
-    D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
+    D = cfg.dim
     Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
     sparse = L > K and s.phase == "sparse"
+    mla = cfg.attention == "mla"
     out = {
         "residual": 2 * T * D * c if c == 4 else 0,
         "norms": 2 * _norm_saved(T, D, c),
-        "attention": T * 2 * Dh * c + T * (H + 1) * Dh * c + 2 * T * Dh * 4
-        + T * H * Dh * c + T * H * 4,
-    }  # fmt: skip
+        "attention": _mla_saved(cfg, T, c) if mla else _mqa_saved(cfg, T, c),
+    }
     if s.cp > 1:
         # Segments that read their document's prefix from the gathered buffer keep a copy of
         # those keys (attention K and V, indexer keys) for backward: about a whole sequence
         # per rank (head-tail: chunks r and 2cp-1-r read (2cp+1)/2cp of each document).
-        out["attention"] += s.micro_batch_size * L * (2 * Dh + (Di if has_indexer else 0)) * c
+        # MLA gathers its one K = V tensor once, but _core_cp indexes the gathered buffer for
+        # k and for v (two copies): the sparse op keeps only k (mla_sparse_attention passes
+        # it as both), dense_attention keeps both.
+        kv = 2 * cfg.head_dim if not mla else _kv_width(cfg) * (1 if sparse else 2)
+        out["attention"] += s.micro_batch_size * L * (kv + (Di if has_indexer else 0)) * c
     if has_indexer:
         proj = T * Hi * Di * c + T * Di * c + T * Hi * c  # q, k, w
-        ln_rope = T * Di * c + 2 * T * 4 + 2 * T * Di * 4  # LN input, mean/rstd, rope rows
+        rope = cfg.qk_rope_head_dim if mla else Di  # MLA ropes the first qk_rope_head_dim dims
+        ln_rope = T * Di * c + 2 * T * 4 + 2 * T * rope * 4  # LN input, mean/rstd, rope rows
         if sparse:
             out["indexer"] = proj + ln_rope + T * K * (4 + 4 + 1)
             out["indices"] = T * K * 8 + T * 8
@@ -328,14 +379,24 @@ def _block_workspace(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_
     Backward: the incoming gradient [T, D] plus the largest of: MoE (gradients of the combine
     input, of the expert outputs and of the token copies, [R, D] each, and of the expert
     hiddens, 3 [R, Hx]), attention (dq and the wo input gradient [T, H, Dh], fp32 dk/dv), the
-    indexer (dq, dk, dw and the backward tile), a dense FFN (4 [T, hidden])."""
+    indexer (dq, dk, dw and the backward tile), a dense FFN (4 [T, hidden]).
+    MLA: Dh is the op's width kv_lora_rank + qk_rope_head_dim (absorbed queries, K = V); its
+    forward transient is the larger einsum result (the absorbed no-rope query [T, H,
+    kv_lora_rank] before its cat, or [T, H, v_head_dim] before wo's reshape copy); backward,
+    the gradient of the output's latent slice comes back padded to Dh, and the op, called with
+    k = v, returns fp32 dk and dv; under CP one K = V tensor is gathered. Like MQA's, these
+    transients are read from the code, not checked against autograd or a measured peak."""
     c = DTYPE_BYTES[s.compute_dtype]
     T, L = s.tokens, s.seq_len
-    D, H, Dh = cfg.dim, cfg.n_heads, cfg.head_dim
+    mla = cfg.attention == "mla"
+    D, H, Dh = cfg.dim, cfg.n_heads, _kv_width(cfg) if mla else cfg.head_dim
     Hi, Di, K = cfg.n_index_heads, cfg.index_head_dim, cfg.index_topk
     sparse = L > K and s.phase == "sparse"
     cpu = s.device_type == "cpu"
-    fwd = [T * H * Dh * c]  # the attention output before wo
+    if mla:
+        fwd = [T * H * max(cfg.kv_lora_rank, cfg.v_head_dim) * c]
+    else:
+        fwd = [T * H * Dh * c]  # the attention output before wo
     bwd_attn = T * H * Dh * c * 2 + 2 * T * Dh * 4
     bwd = [bwd_attn]
     if has_indexer:
@@ -354,7 +415,7 @@ def _block_workspace(cfg: ModelConfig, s: MemorySettings, has_indexer: bool, is_
     if s.cp > 1:
         # The all-gather of K, V and indexer keys: the padded local copy and the gathered
         # buffer forward; backward, its gradient and the reduce-scatter's contiguous input.
-        width = 2 * Dh + (Di if has_indexer else 0)
+        width = (Dh if mla else 2 * Dh) + (Di if has_indexer else 0)
         g = (s.cp_span or s.cp) * T * width * c
         fwd.append(g + T * width * c)
         bwd.append(2 * g)
