@@ -299,7 +299,9 @@ def test_mtp_entries_of_rows_with_different_last_slots(P):
 
 
 @pytest.mark.parametrize("attention", ["mqa", "mla"])
-@pytest.mark.parametrize("L, ts", [(12, [3, 7]), (40, [20, 33])])  # dense; sparse past k = 16
+# Dense; sparse past k = 16, where t = 13 .. 15 still see all their keys (n_t <= k) and the
+# decoder's steps run dense while the training rows are sparse.
+@pytest.mark.parametrize("L, ts", [(12, [3, 7]), (40, [13, 14, 15, 20, 33])])
 def test_trained_recursive_drafts_are_the_decoders_draft_steps(monkeypatch, attention, L, ts):
     """`wanka draft`'s training-time test (Transformer._recursive_drafts) must compute, at every
     position t at once, exactly the distributions the decoder's draft steps 1..3 give after a
@@ -336,3 +338,19 @@ def test_trained_recursive_drafts_are_the_decoders_draft_steps(monkeypatch, atte
             _, probs = gen._draft(cache, t + 1, pos, first)
         for j in range(3):
             torch.testing.assert_close(probs[0, j], trained[j][0, t], rtol=1e-5, atol=1e-6)
+
+
+def test_rows_shorter_than_the_draft_steps_score_nothing_and_keep_the_graph():
+    """draft_steps past the row length: those steps count 0 positions, no shape error, and
+    their (zero) loss still reaches the MTP block (every FSDP rank runs the same backward)."""
+    model = _model(seed=1)
+    tokens = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(0))
+    labels = F.pad(tokens[:, 1:], (0, 1), value=-100)
+    parts = model.train()(tokens, torch.arange(3).expand(2, 3), torch.zeros_like(tokens),
+                          labels, mtp_self=True, draft_steps=5)  # fmt: skip
+    assert [int(c) for _, c in parts.draft_kl] == [0, 0, 0, 0]
+    assert int(parts.mtp_count) == 2 * 1  # t = 0 only: the label at t + 1 = 1 exists
+    total = parts.mtp_sum + sum(x for x, _ in parts.draft_kl)
+    assert all(x.requires_grad for x, _ in parts.draft_kl)
+    total.backward()
+    assert model.mtp[0].proj.weight.grad is not None

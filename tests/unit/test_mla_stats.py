@@ -48,10 +48,10 @@ def test_mla_flops_hand_computed():
     assert core_flops_per_key(HAND) == per_key == 40
     # L = 16 > k = 4: sparse. Mean keys per query = (4*5/2 + 12*4) / 16 = 3.625.
     core = 2 * per_key * 3.625
-    mtp = per_key * (17 / 2)  # dense causal, mean visible (L+1)/2
+    mtp = per_key * 3.625  # the MTP block attends sparsely too (the last selection)
     index = 2 * 1 * 4 * (17 / 2)  # one indexer layer over all visible keys
     expected = 3 * (2 * p + core + mtp + index)
-    assert expected == 17214
+    assert expected == 16629
     assert flops_per_token(HAND, 16) == pytest.approx(expected, rel=1e-12)
     b = flops_breakdown(HAND, 16)
     assert (b["matmul_params"], b["attention_fwd"], b["indexer_fwd"]) == (p, core + mtp, index)
@@ -109,8 +109,7 @@ def test_mla_core_attention_counts_qk_over_the_key_and_pv_over_the_latent():
     assert core_flops_per_key(cfg) == counted - 2 * H * r
     for L in (K // 2, 5 * K):  # dense, sparse
         keys = sum(min(K, t + 1) if L > K else t + 1 for t in range(L)) / L
-        dense_keys = sum(t + 1 for t in range(L)) / L  # the MTP block
-        want = core_flops_per_key(cfg) * (cfg.n_layers * keys + cfg.mtp_depth * dense_keys)
+        want = core_flops_per_key(cfg) * (cfg.n_layers + cfg.mtp_depth) * keys
         assert flops_breakdown(cfg, L)["attention_fwd"] == pytest.approx(want, rel=1e-12)
 
 

@@ -516,3 +516,8 @@ def test_an_mla_layer_of_deepseek_v32_dims_reaches_the_fused_op(monkeypatch):
     q, kv, idx, _scale, rope = calls[0]
     assert q.shape == (1, L, 4, 576) and kv.shape == (1, L, 576) and rope == 64
     assert mla_npu.unsupported(q.to(BF16), kv.to(BF16), idx, rope, needs_grad=False) is None
+    # Training too, where the grad op's k (2048 in production, as x25-293b's index_topk) is
+    # the layer's own.
+    monkeypatch.setattr(sa_npu, "GRAD_TOPK", cfg.index_topk)
+    assert mla_npu.unsupported(q.to(BF16), kv.to(BF16), idx, rope, needs_grad=True) is None
+    assert "q width" in mla_npu.unsupported(q[..., :-1].to(BF16), kv.to(BF16), idx, rope, False)

@@ -68,7 +68,8 @@ def flops_breakdown(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     keys = _mean_min(cfg.index_topk, L) if sparse else causal
     per_key_core = core_flops_per_key(cfg)  # q.k and p.v, every query head
     core = cfg.n_layers * per_key_core * keys
-    mtp_core = cfg.mtp_depth * per_key_core * causal  # MTP blocks are dense-only
+    # MTP blocks attend as the main layers do (sparse on the last selection past k)
+    mtp_core = cfg.mtp_depth * per_key_core * keys
     n_indexers = len([i for i in range(cfg.n_layers) if i % cfg.index_share_every == 0])
     indexer = n_indexers * 2 * cfg.n_index_heads * cfg.index_head_dim * causal
 
@@ -102,7 +103,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         K = mean_t min(k, t) = (k(k+1)/2 + (L-k) k) / L    when L > k (DSA top-k: every layer
             attends to k keys, chosen by its own indexer or shared from the last indexer layer)
         K = (L+1)/2                                         when L <= k (dense causal)
-    A_mtp: mtp_depth x 4 h d (L+1)/2 (MTP blocks use dense causal attention).
+    A_mtp: mtp_depth x 4 h d x K (MTP blocks attend as the main layers do: sparse on the
+        main model's last selection when L > k; before 2026-12-05 this counted (L+1)/2 keys).
     A_index: layers with an indexer (layer_id % index_share_every == 0) score every visible
         key, sparse or not: n_indexers x 2 n_index_heads index_head_dim (L+1)/2.
 

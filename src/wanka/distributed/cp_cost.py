@@ -16,10 +16,11 @@ over its in-document positions p (causal attention: the query at p sees p + 1 ke
 ``gather`` is not a piece's cost but a step's: seconds per token of a rank's gathered K/V
 buffer (the all-gather forward and reduce-scatter backward, every layer). A plan that
 splits documents over a block of ``span`` ranks pays about ``gather * span * lmax``; the
-dynamic planner only widens the block when the compute it saves is larger. Default: 704 bf16
-values per token per layer (MLA's one K = V tensor, latent 512 + RoPE key 64, gathered once;
-indexer keys of 128), 48 layers, both directions, at ~50 GB/s; the CPU bench does not measure
-it (its gloo gather is not in the ranks' compute), so fitted models keep this estimate.
+dynamic planner only widens the block when the compute it saves is larger. Default: 608 bf16
+values per token per layer on average (MLA's one K = V tensor, latent 512 + RoPE key 64,
+gathered once, on every layer; indexer keys of 128 on the 12 layers that have an indexer),
+48 layers, both directions, at ~50 GB/s; the CPU bench does not measure it (its gloo gather is
+not in the ranks' compute), so fitted models keep this estimate.
 
 The defaults are a FLOP estimate of the production shape (x25-293b: ~28.9B active parameters,
 48 layers of 64-head MLA, indexers of 64 x 128 on every 4th layer, topk 2048) on one
@@ -57,7 +58,7 @@ class CostModel:
     sparse: float = 2.0e-7  # 3 * 48 layers * 2 * 64 * (576 + 512) FLOP / (0.1 * 1e15)
     dense: float = 8e-10  # 12 indexer layers * 2 * 64 * 128 FLOP / (0.25 * 1e15)
     topk: int = 2048
-    gather: float = 2.7e-6  # 2 * 48 * 704 * 2 bytes / 50e9 bytes/s
+    gather: float = 2.33e-6  # 2 * 48 * (576 + 128 / 4) * 2 bytes / 50e9 bytes/s
 
     def __post_init__(self) -> None:
         coefs = (self.linear, self.sparse, self.dense)

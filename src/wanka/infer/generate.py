@@ -164,12 +164,9 @@ class Generator:
             if j + 1 == self.speculate:
                 break
             slot, step_idx = length + j, None
-            if base is not None:  # the last main selection plus the slots ahead
+            if base is not None:  # the last main selection plus the slots ahead, all of them
                 ahead = torch.arange(length, slot + 1, device=self.device).expand(len(pos), 1, -1)
-                K = base.shape[-1]
-                step_idx = torch.cat([ahead, base[..., : max(K - ahead.shape[-1], 0)]], -1)[
-                    ..., -K:
-                ]
+                step_idx = torch.cat([ahead, base], -1)
             docs = cache.set_docs(slot, self._live(drafts[-1][:, None]))
             d_logits, h = self.model.mtp_decode(1, h, drafts[-1][:, None], (pos + j)[:, None],
                                                 cache, slot, docs, step_idx)  # fmt: skip

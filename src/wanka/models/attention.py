@@ -99,6 +99,9 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q, k, v, qi, ki, wi = self._project(x, positions, ropes)
         if draft is not None:
+            if layout is not None or self.indexer is not None:
+                raise ValueError("a recursive draft step runs an MTP block (no indexer) on whole "
+                                 "rows (no context-parallel layout)")  # fmt: skip
             out = self._draft_core(q, k, v, doc_ids, shared_indices, phase, draft)
             return self._output(out), AttnAux(None, None, 0, (k, v))
         if layout is None:
@@ -110,17 +113,19 @@ class Attention(nn.Module):
         aux = AttnAux(indices, kl_sum, B * L if kl_sum is not None else 0, (k, v))
         return self._output(out), aux
 
-    def _draft_core(self, q, k, v, doc_ids, shared, phase, draft: DraftKeys) -> torch.Tensor:
-        """The decoder's draft step j + 1 at slot t + j, all t at once: the MTP cache holds the
-        first pass's keys up to t, then the earlier steps' keys and this one's. Sparse as the
-        first pass is (the main model's selection at t); the decoder then keeps K slots, the j
-        draft slots and the first K - j selected ones (infer/generate.py, `_draft`), so the
-        selection is cut the same way."""
+    def _draft_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    doc_ids: torch.Tensor, shared: torch.Tensor | None, phase: str,
+                    draft: DraftKeys) -> torch.Tensor:  # fmt: skip
+        """Recursive draft step s (s >= 2) at slot t + s - 1, all t at once, as the decoder runs
+        it (infer/generate.py, `_draft`): the MTP cache holds the first pass's keys up to t,
+        then the earlier steps' keys and this one's (the E = s - 1 extra keys). Sparse as the
+        first pass is: the main model's selection at t plus the extra keys, nothing cut (so a
+        query that still sees every key of its document, n_t <= k, attends to all of them,
+        as the decoder's dense step does)."""
         extra_k = torch.stack([*draft.extra_k, k], dim=2)
         extra_v = torch.stack([*draft.extra_v, v], dim=2)
-        indices = None
-        if shared is not None and phase == "sparse" and q.shape[1] > self.topk:
-            indices = shared[..., : max(shared.shape[-1] - extra_k.shape[2], 0)]
+        sparse = shared is not None and phase == "sparse" and q.shape[1] > self.topk
+        indices = shared if sparse else None
         return ops.call("extra_key_attention", q, draft.k, draft.v, doc_ids, indices, extra_k,
                         extra_v, self.scale)  # fmt: skip
 

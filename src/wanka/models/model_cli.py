@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wanka.config.schema import ModelConfig
 
 # Not from stats: that imports torch, and building the CLI parser must not.
 AC_MODES = ("off", "full", "selective")
@@ -69,7 +73,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _attention(m) -> str:
+def _attention(m: ModelConfig) -> str:
     """The attention form the estimate models (its activations differ widely)."""
     if m.attention == "mla":
         return (f"MLA, {m.n_heads} heads over one K = V tensor per token (latent "

@@ -200,15 +200,22 @@ class Transformer(nn.Module):
         return LossParts(lm_sum, lm_count, mtp_sum, mtp_count, kl_sum, kl_count, balance,
                          seq_balance, logits if return_logits else None, draft_kl)  # fmt: skip
 
-    def _recursive_drafts(self, mtp: MTPModule, h, keys, tokens, positions, doc_ids, ropes,
-                          indices, phase, main_logits, labels, steps: int):  # fmt: skip
+    def _recursive_drafts(self, mtp: MTPModule, h: torch.Tensor,
+                          keys: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor,
+                          positions: torch.Tensor, doc_ids: torch.Tensor,
+                          ropes: dict[str, torch.Tensor], indices: torch.Tensor | None,
+                          phase: str, main_logits: torch.Tensor, labels: torch.Tensor,
+                          steps: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:  # fmt: skip
         """EAGLE-3's training-time test. The decoder drafts 2 .. N by running depth 1 again on
         its own output: step s at position t + s - 1 reads the previous step's hidden state
         there and the token drafted before it, and attends to the MTP cache (the first pass's
         keys up to t, the earlier steps' keys, its own). Pre-training and the first pass only
         ever feed it the main model's hidden state. Here every t runs those steps at once with
         the text's own tokens as the drafts (the text is the main model's), each against the
-        main model's distribution s tokens ahead -> ((KL sum, count) per step 2 .. steps)."""
+        main model's distribution s tokens ahead -> ((KL sum, count) per step 2 .. steps).
+        As in EAGLE-3, the steps' losses backpropagate through the chain into the first pass
+        (its hidden state and keys): the module learns to be a good input to itself. A row
+        shorter than s gives step s nothing to score (count 0, still on the graph)."""
         draft, out = DraftKeys(*keys), []
         for s in range(2, steps + 1):
             nxt = self.tok_embeddings(_shift(tokens, s, 0))
@@ -263,7 +270,7 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch
 def _kl_to_main(mtp_logits: torch.Tensor, main_logits: torch.Tensor, valid: torch.Tensor,
                 d: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Sum over valid t of KL(main at t + d || MTP at t), fp32, the main side detached."""
-    target = main_logits.detach()[:, d:][valid[:, : valid.shape[1] - d]]
+    target = main_logits.detach()[:, d:][valid[:, : max(valid.shape[1] - d, 0)]]
     pred = mtp_logits[valid]
     logp_main = F.log_softmax(target.float(), dim=-1)
     logp_mtp = F.log_softmax(pred.float(), dim=-1)
@@ -272,7 +279,8 @@ def _kl_to_main(mtp_logits: torch.Tensor, main_logits: torch.Tensor, valid: torc
 
 
 def _shift(x: torch.Tensor, d: int, fill: int) -> torch.Tensor:
-    return F.pad(x[:, d:], (0, d), value=fill)
+    """x moved left by d along dim 1, `fill` entering on the right (all of it when d >= L)."""
+    return F.pad(x[:, d:], (0, min(d, x.shape[1])), value=fill)
 
 
 def mtp_labels(labels: torch.Tensor, doc_ids: torch.Tensor, d: int) -> torch.Tensor:

@@ -99,7 +99,7 @@ def summarize_post(train: list[dict], evals: list[dict], events: list[dict]) -> 
         if rs:
             lines.append(f"train reward   : last {rs[-1]:.4f}")
     elif kind == "draft":
-        steps = _keys(evals, "val_mtp_kl_step")
+        steps = _keys(evals, "val_mtp_kl_step")  # held-out KL per recursive draft step
         for key in ("val_mtp_kl", *(f"val_mtp_kl_step{k}" for k in steps),
                     "val_mean_acceptance_length", "val_distinct_4grams"):  # fmt: skip
             xs, ys = _series(evals, key)
@@ -200,7 +200,9 @@ def _draft_panels(axes, train: list[dict], evals: list[dict]) -> None:
     # Panel 1: the KL the drafter minimises (train, on its own samples: the sum over trained
     # draft steps, and each step's) and on held-out text.
     drawn = _line(ax_kl, train, "loss", color="black", label="loss (sum over draft steps)")
-    steps = ["", *(f"_step{k}" for k in _keys(evals, "val_mtp_kl_step"))]
+    # Recursive draft steps: from the training rows (held-out KLs need reference prompts).
+    found = dict.fromkeys([*_keys(train, "mtp_kl_step"), *_keys(evals, "val_mtp_kl_step")])
+    steps = ["", *(f"_step{k}" for k in found)]
     for n, step in enumerate(steps):
         name = f"draft {n + 1}" if len(steps) > 1 else "KL main || MTP"
         if len(steps) > 1:  # one step: the loss is that step's KL

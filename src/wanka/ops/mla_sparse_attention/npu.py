@@ -19,7 +19,11 @@ from wanka.ops.sparse_attention import npu as sfa
 OP = "mla_sparse_attention"
 
 
-def unsupported(q, kv, indices, rope_dim: int, needs_grad: bool) -> str | None:
+def unsupported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, rope_dim: int,
+                needs_grad: bool) -> str | None:  # fmt: skip
+    """Why the fused op cannot take this call (None: it can)."""
+    if q.shape[-1] != kv.shape[-1]:
+        return f"q width {q.shape[-1]} != kv width {kv.shape[-1]}"
     if rope_dim != sfa.ROPE_DIM:
         return f"rope dim {rope_dim}: the fused op takes {sfa.ROPE_DIM}"
     latent = kv[..., : kv.shape[-1] - rope_dim]
