@@ -106,33 +106,29 @@ def test_distill_teacher_no_better_than_start_is_na(tmp_path: Path) -> None:
     assert lines[1].endswith("best teacher prose 3.4000, gap closed n/a")
 
 
-def test_rl_summary_and_png(tmp_path: Path) -> None:
-    run = tmp_path / "rl"
-    _rl_run(run)
+@pytest.mark.parametrize(
+    "kind, write, expected, out",
+    [
+        ("rl", _rl_run, ["val_reward     : first 0.1250 (step 0), last 1.1250 (step 4)",
+                         "train reward   : last 0.4000"], "sub/rl.png"),
+        ("draft", _draft_run, [
+            "val_mtp_kl     : first 0.4500 (step 0), last 0.0500 (step 4)",
+            "val_mtp_kl_step2: first 0.9000 (step 0), last 0.1250 (step 4)",
+            "val_mean_acceptance_length: first 2.3000 (step 0), last 2.8250 (step 4)",
+            "val_distinct_4grams: first 0.8000 (step 0), last 0.7500 (step 4)",
+            "acceptance     : draft1 95.0%, draft2 87.5% (last eval)",
+        ], None),
+    ],
+)  # fmt: skip
+def test_rl_and_draft_summary_and_png(tmp_path: Path, kind, write, expected, out) -> None:
+    run = tmp_path / kind
+    write(run)
     train, evals, events = _load(run)
-    assert is_post_run(train, evals, events) == "rl"
-    assert summarize_post(train, evals, events) == [
-        "val_reward     : first 0.1250 (step 0), last 1.1250 (step 4)",
-        "train reward   : last 0.4000",
-    ]
-    png = plot_post_curves(run, out=tmp_path / "sub" / "rl.png")
+    assert is_post_run(train, evals, events) == kind
+    assert summarize_post(train, evals, events) == expected
+    png = plot_post_curves(run, out=tmp_path / out if out else None)
+    assert png == (tmp_path / out if out else run / "post_curves.png")
     data = png.read_bytes()
-    assert data[:8] == PNG and len(data) > 20_000
-
-
-def test_draft_summary_and_png(tmp_path: Path) -> None:
-    run = tmp_path / "draft"
-    _draft_run(run)
-    train, evals, events = _load(run)
-    assert is_post_run(train, evals, events) == "draft"
-    assert summarize_post(train, evals, events) == [
-        "val_mtp_kl     : first 0.4500 (step 0), last 0.0500 (step 4)",
-        "val_mtp_kl_step2: first 0.9000 (step 0), last 0.1250 (step 4)",
-        "val_mean_acceptance_length: first 2.3000 (step 0), last 2.8250 (step 4)",
-        "val_distinct_4grams: first 0.8000 (step 0), last 0.7500 (step 4)",
-        "acceptance     : draft1 95.0%, draft2 87.5% (last eval)",
-    ]
-    data = plot_post_curves(run).read_bytes()
     assert data[:8] == PNG and len(data) > 20_000
 
 

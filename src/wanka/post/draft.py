@@ -73,13 +73,13 @@ def kl_names(prefix: str, n: int) -> list[str]:
 
 def mtp_losses(job: PostJob, s: Samples) -> tuple[torch.Tensor, dict[str, float]]:
     """-> (the loss: each step's KL sum over its position count on all ranks, summed over
-    steps; the per-position KL of each step, all ranks)."""
+    steps; the per-position KL of each step, all ranks, and their sum as "loss")."""
     terms = kl_terms(job, s)
     totals = global_sum(*(float(c) for _, c in terms), *(float(x.detach()) for x, _ in terms))
     n, sums = totals[: len(terms)], totals[len(terms) :]
     loss = sum(x / max(c, 1.0) for (x, _), c in zip(terms, n))
     logged = {k: x / max(c, 1.0) for k, x, c in zip(kl_names("", len(terms)), sums, n)}
-    return loss, {**logged, "mtp_positions": n[0]}
+    return loss, {"loss": sum(logged.values()), **logged, "mtp_positions": n[0]}
 
 
 def make_step():
@@ -97,8 +97,7 @@ def make_step():
         loss, logged = mtp_losses(job, s)
         total = sum(len(t) + len(c) for t, c in zip(tokens, completions))
         (processed,) = global_sum(float(total))
-        kls = [v for k, v in logged.items() if k.startswith("mtp_kl")]
-        return iter([loss]), {"loss": sum(kls), **logged, "row_tokens": processed}
+        return iter([loss]), {**logged, "row_tokens": processed}
 
     return step_loss
 
