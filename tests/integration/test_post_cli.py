@@ -198,3 +198,29 @@ def test_draft_tunes_only_the_mtp_module_and_measures_acceptance(base, tmp_path)
     main = [k for k in b if not k.startswith("mtp.")]
     assert main and all(torch.equal(b[k], a[k]) for k in main), "the main model must not move"
     assert any(not torch.equal(b[k], a[k]) for k in b if k.startswith("mtp.")), "MTP unchanged"
+
+
+@pytest.mark.parametrize(
+    "edit", [("n_layers = 2", "n_layers = 3"), ("vocab_size = 256", "vocab_size = 300")]
+)
+def test_a_checkpoint_that_does_not_fit_its_config_is_one_line(base, tmp_path, edit):
+    """A teacher (or post.init) whose config.toml was edited after training: DCP raises a
+    CheckpointException, a BaseException that `except Exception` let through as a traceback."""
+    import shutil
+
+    from wanka.config.loader import load_config
+    from wanka.models.transformer import Transformer
+    from wanka.post.engine import load_weights
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(base, teacher)
+    text = (teacher / "config.toml").read_text()
+    assert edit[0] in text
+    (teacher / "config.toml").write_text(text.replace(edit[0], edit[1]))
+    with torch.device("meta"):
+        model = Transformer(load_config(teacher / "config.toml").model)
+    model.to_empty(device="cpu")
+    with pytest.raises(ValueError, match=r"teacher for 'code': checkpoint .* does not fit the "
+                       r"model of .*config.toml \(.*(Missing key|[Ss]ize mismatch)") as info:  # fmt: skip
+        load_weights(model, teacher, "teacher for 'code'")
+    assert "\n" not in str(info.value)

@@ -155,3 +155,48 @@ def test_builtin_prompts_of_one_domain_only():
     assert code == [p for p in builtin_prompts("val", 3, 80, 40, 0) if p.domain == "code"]
     with pytest.raises(ValueError, match="domains"):
         builtin_prompts("val", 3, 80, 40, 0, only=("poetry",))
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("[" * 100_000 + "]" * 100_000, r":2: not valid JSON here \(nested too deeply\)"),
+        ('{"prompt": "\\ud800", "domain": "code"}', r':2: "prompt" holds .*lone UTF-16 surrogate'),
+        ('{"prompt": "x", "domain": "d", "reference": "\\udfff"}', r':2: "reference" holds'),
+        ('{"prompt": "x", "domain": "  "}', r':2: "domain" .* is blank'),
+    ],
+)
+def test_read_prompts_jsonl_hostile_lines_are_one_line(
+    tmp_path: Path, line: str, match: str
+) -> None:
+    """Lines that used to raise RecursionError, or load and fail later (a lone surrogate: the
+    tokenizer's UnicodeEncodeError on a rank; a domain no post.teachers spec can name)."""
+    path = _write(tmp_path, [json.dumps({"prompt": "ok", "domain": "code"}), line])
+    with pytest.raises(ValueError, match="prompts.jsonl" + match) as info:
+        read_prompts_jsonl(path)
+    assert "\n" not in str(info.value)
+
+
+def test_read_prompts_jsonl_skips_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "a", "domain": "code"}).encode())
+    assert read_prompts_jsonl(path) == [TaggedPrompt("a", "code")]
+
+
+@pytest.mark.parametrize("spec", ["", "  ", "{tmp}"])
+def test_read_prompts_jsonl_refuses_an_empty_name_or_a_directory(tmp_path: Path, spec) -> None:
+    with pytest.raises(ValueError, match="is not a file: name a JSONL file"):
+        read_prompts_jsonl(spec.format(tmp=tmp_path))
+
+
+def test_split_jsonl_prompts_holds_out_the_last_of_each_domain(tmp_path: Path) -> None:
+    rows = [{"prompt": f"p{i}", "domain": d} for i, d in enumerate("abab")]
+    path = _write(tmp_path, [json.dumps(r) for r in rows])
+    train, held = P.split_jsonl_prompts(path, None, 1)
+    assert [x.text for x in train] == ["p0", "p1"] and [x.text for x in held] == ["p2", "p3"]
+    assert P.split_jsonl_prompts(path, {"a"}, 0) == ([TaggedPrompt("p0", "a"),
+                                                     TaggedPrompt("p2", "a")], [])  # fmt: skip
+    with pytest.raises(ValueError, match=r"post.domains names \['c'\]"):
+        P.split_jsonl_prompts(path, {"c"}, 1)
+    with pytest.raises(ValueError, match="domain 'a' has 2 prompts, post.eval_prompts=2"):
+        P.split_jsonl_prompts(path, None, 2)

@@ -261,3 +261,98 @@ def test_load_reward_errors_are_one_line(user_module: str, spec: str, match: str
     with pytest.raises(ValueError, match=match) as info:
         load_reward(spec)
     assert "\n" not in str(info.value) and repr(spec) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        ("def f(:\n", "importing module '{mod}' raised SyntaxError"),
+        ("raise RuntimeError('no GPU here')\n", "raised RuntimeError: no GPU here; fix the module"),
+        ("import sys\nsys.exit(4)\n", "raised SystemExit: 4"),
+    ],
+)
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch, source, match):
+    name = f"broken_reward_{abs(hash(source))}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=match.format(mod=name)) as info:
+        load_reward(f"{name}:fn")
+    assert "\n" not in str(info.value)
+    sys.modules.pop(name, None)
+
+
+def test_a_relative_module_name_is_one_line() -> None:
+    with pytest.raises(ValueError, match="importing module '.x' raised TypeError"):
+        load_reward(".x:fn")
+
+
+def test_a_reward_of_the_wrong_signature_is_refused_at_load(tmp_path, monkeypatch) -> None:
+    (tmp_path / "sig_rewards.py").write_text(
+        "def two(prompt, completion):\n    return 1.0\n"
+        "def kw(prompt, completion, *, domain):\n    return 1.0\n"
+        "def star(*args):\n    return 1.0\n"
+        "class NoArgs:\n    def __call__(self, p, c, d):\n        return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        for attr in ("two", "kw", "NoArgs"):
+            with pytest.raises(ValueError, match=r"cannot be called as \(prompt, completion, "
+                               r"domain\).*give it those three arguments"):  # fmt: skip
+                load_reward(f"sig_rewards:{attr}")
+        assert load_reward("sig_rewards:star")("p", "c", "d") == 1.0
+        assert load_reward("builtins:max") is max  # no signature to check: taken as it is
+    finally:
+        sys.modules.pop("sig_rewards", None)
+
+
+def _one(value=None, exc=None):
+    def reward(prompt, completion, domain):
+        if exc is not None:
+            raise exc
+        return value
+
+    return reward
+
+
+@pytest.mark.parametrize(
+    ("reward", "match"),
+    [
+        (
+            _one(exc=ZeroDivisionError("boom")),
+            r"raised ZeroDivisionError: boom on a completion "
+            r"of a 'code' prompt",
+        ),  # fmt: skip
+        (_one(exc=KeyError()), r"raised KeyError on a completion"),
+        (_one(exc=SystemExit(3)), r"raised SystemExit: 3"),
+        (_one("0.5"), r"returned '0.5' \(str\)"),
+        (_one(None), r"returned None \(NoneType\)"),
+        (_one([1.0]), r"returned \[1.0\] \(list\)"),
+        (_one(float("nan")), r"returned nan \(float\)"),
+        (
+            _one(10**400),
+            r"returned 1000.* \(int\) for a completion: a reward must be a finite number",
+        ),
+        (_one(1e308), r"returned 1e\+308 \(float\).*magnitude at most 1e\+30"),
+        (_one(1j), r"returned 1j \(complex\)"),
+    ],
+)
+def test_bad_rewards_stop_the_job_in_one_line(reward, match) -> None:
+    from wanka.post.prompts import TaggedPrompt
+    from wanka.post.rl import _rewards
+
+    with pytest.raises(ValueError, match=r"post.reward='my:fn' " + match) as info:
+        _rewards(reward, [TaggedPrompt("p", "code")], ["c"], "my:fn")
+    assert "\n" not in str(info.value)
+
+
+def test_numeric_rewards_of_any_number_type_are_taken() -> None:
+    import numpy as np
+    import torch
+
+    from wanka.post.prompts import TaggedPrompt
+    from wanka.post.rl import _rewards
+
+    prompts = [TaggedPrompt("p", "code")] * 4
+    values = iter([True, np.float32(0.5), torch.tensor(-2.0), 7])
+    got = _rewards(lambda p, c, d: next(values), prompts, ["c"] * 4, "my:fn")
+    assert got.tolist() == [1.0, 0.5, -2.0, 7.0]

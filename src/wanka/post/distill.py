@@ -14,7 +14,13 @@ import random
 import torch
 
 from wanka.config.schema import JobConfig, ModelConfig
-from wanka.post.checks import check_common, check_frozen_model, check_length
+from wanka.post.checks import (
+    check_common,
+    check_length,
+    check_run_dir,
+    check_teachers,
+    check_vocabulary,
+)
 from wanka.post.engine import build_sharded, frozen, load_weights, run_config, zero_routing_counts
 from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, per_domain, regularisers, run
@@ -53,11 +59,14 @@ def check_distill(cfg: JobConfig) -> None:
     if not p.init:
         raise ValueError("post.init is empty: name the student's run directory (a finished "
                          "`wanka train` run) to distill into")  # fmt: skip
-    check_common(cfg, samples_from_policy=p.on_policy_fraction > 0)
+    off_policy = (
+        f"post.on_policy_fraction={p.on_policy_fraction}" if p.on_policy_fraction < 1 else ""
+    )
+    used = check_common(
+        cfg, samples_from_policy=p.on_policy_fraction > 0, references_for=off_policy
+    )
     run_config(p.init, "post.init")
-    for domain, run_dir in parse_teachers(p.teachers).items():
-        role = f"teacher for {domain!r}"
-        check_frozen_model(cfg, run_config(run_dir, role).model, role)
+    teachers = parse_teachers(p.teachers)  # each used one is checked by check_teachers
     if p.estimator == "sampled":
         if p.divergence != "reverse_kl":
             raise ValueError("post.estimator='sampled' estimates the reverse KL only: set "
@@ -68,6 +77,9 @@ def check_distill(cfg: JobConfig) -> None:
                              "post.temperature=1, post.top_p=1, or post.estimator='exact'")  # fmt: skip
     if not 0.0 <= p.on_policy_fraction <= 1.0 or not 0.0 <= p.beta <= 1.0:
         raise ValueError("post.on_policy_fraction and post.beta are fractions in [0, 1]")
+    check_run_dir(cfg, "distill", {"post.init": p.init} | {f"the teacher for {d!r}": r
+                                                           for d, r in teachers.items()})  # fmt: skip
+    check_teachers(cfg, teachers, used)
 
 
 class Teachers:
@@ -82,13 +94,7 @@ class Teachers:
                 continue
             role = f"teacher for {domain!r}"
             tcfg = run_config(run_dir, role)
-            if (tcfg.model.vocab_size, tcfg.data.tokenizer) != (job.cfg.model.vocab_size,
-                                                                job.cfg.data.tokenizer):  # fmt: skip
-                raise ValueError(f"{role}: {run_dir} uses another vocabulary "
-                                 f"({tcfg.data.tokenizer}, {tcfg.model.vocab_size}) than the "
-                                 f"student ({job.cfg.data.tokenizer}, "
-                                 f"{job.cfg.model.vocab_size}): distillation compares "
-                                 "distributions token by token")  # fmt: skip
+            check_vocabulary(job.cfg, tcfg, run_dir, role)
             check_length(job.longest_prompt, job.cfg.post.completion_tokens, tcfg.model, role)
             model = build_sharded(tcfg.model, job.dims, job.device, job.cfg.train.seed,
                                   job.param_dtype)  # fmt: skip

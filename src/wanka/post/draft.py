@@ -24,7 +24,7 @@ import torch
 from wanka.config.schema import JobConfig
 from wanka.infer.generate import Generator, distinct_4grams
 from wanka.infer.sampling import Sampling
-from wanka.post.checks import check_common
+from wanka.post.checks import check_common, check_run_dir
 from wanka.post.engine import run_config, zero_routing_counts
 from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, run
@@ -45,6 +45,7 @@ def check_draft(cfg: JobConfig) -> None:
         raise ValueError(f"post.draft_steps={cfg.post.draft_steps}: drafts per round to train, "
                          f"from 1 to post.completion_tokens ({cfg.post.completion_tokens}); "
                          "0 = post.speculate")  # fmt: skip
+    check_run_dir(cfg, "draft", {"post.init": cfg.post.init})
 
 
 def draft_steps(cfg: JobConfig) -> int:

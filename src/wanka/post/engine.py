@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,7 +32,7 @@ from wanka.distributed.parallelize import parallelize
 from wanka.infer.load import find_checkpoint
 from wanka.models.attention import make_ropes
 from wanka.models.transformer import Transformer
-from wanka.train.checkpoint import model_diff, same_model
+from wanka.train.checkpoint import complete_checkpoints, model_diff, same_model
 
 
 def run_config(run_dir: str | Path, role: str) -> JobConfig:
@@ -42,6 +43,14 @@ def run_config(run_dir: str | Path, role: str) -> JobConfig:
         raise ValueError(f"{role}: {run_dir} is not a run directory (no config.toml): pass the "
                          "run.dir of a finished `wanka train` (or `wanka import`)")  # fmt: skip
     return load_config(path)
+
+
+def check_has_checkpoint(run_dir: str | Path, role: str) -> None:
+    """Before any rank starts: the run directory holds at least one complete checkpoint (its
+    files are verified against their checksums when it is loaded)."""
+    if not complete_checkpoints(Path(run_dir) / "checkpoints"):
+        raise ValueError(f"{role}: {run_dir} has no complete checkpoint: pass a run directory "
+                         "with a sound checkpoint (train it first)")  # fmt: skip
 
 
 def build_sharded(model_cfg: ModelConfig, dims: ParallelDims, device: torch.device,
@@ -58,14 +67,28 @@ def build_sharded(model_cfg: ModelConfig, dims: ParallelDims, device: torch.devi
 def load_weights(model: Transformer, run_dir: str | Path, role: str) -> Path:
     """Load the newest sound checkpoint of `run_dir` into a sharded model (DCP reshards from
     whatever layout saved it; optimizer state is not read). Returns the checkpoint's path."""
-    path = find_checkpoint(Path(run_dir))
+    try:
+        path = find_checkpoint(Path(run_dir))
+    except ValueError:  # its hint (--checkpoint) is for `wanka generate`, not for here
+        found = complete_checkpoints(Path(run_dir) / "checkpoints")
+        what = (
+            "only damaged checkpoints (checksums do not match)"
+            if found
+            else "no complete checkpoint"
+        )
+        raise ValueError(f"{role}: {run_dir} has {what}: pass a run directory with a sound "
+                         "checkpoint (train it first)") from None  # fmt: skip
     state = {"model": get_model_state_dict(model), "train": {"model_config": ""}}
     try:
         with warnings.catch_warnings():  # single-process runs: "assuming the intent is ..."
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP wraps shape / key mismatches in several exception types
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    # DCP wraps shape / key mismatches in several exception types, CheckpointException (a
+    # BaseException, not an Exception) among them: a teacher of another shape, a config.toml
+    # edited after training.
+    except (Exception, CheckpointException) as e:
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        last = lines[-1][:200] if lines else type(e).__name__
         raise ValueError(f"{role}: checkpoint {path} does not fit the model of "
                          f"{run_dir}/config.toml ({last})") from None  # fmt: skip
     saved = state["train"]["model_config"]

@@ -27,9 +27,15 @@ from wanka.device import autocast_dtype, dist_backend, local_device, resolve_dev
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
-from wanka.post.checks import check_length
+from wanka.post.checks import COMMAND_FILE, check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
-from wanka.post.prompts import DOMAINS, TaggedPrompt, builtin_prompts, domains, read_prompts_jsonl
+from wanka.post.prompts import (
+    DOMAINS,
+    TaggedPrompt,
+    builtin_prompts,
+    domains,
+    split_jsonl_prompts,
+)
 from wanka.post.rewards import PYTHON_REWARDS
 from wanka.resilience.snapshot import apply, layout_signature
 from wanka.resilience.worker import Runtime
@@ -118,7 +124,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     runtime.enable_stack_dumps(run_dir / "logs" / f"rank{rank}.log")
     runtime.chaos.at_start()
     runtime.progress.enter("init")
-    if rank == 0:
+    if rank == 0:  # which command made the run: another is refused on it (checks.py)
+        (run_dir / COMMAND_FILE).write_text(command + "\n")
         (run_dir / "config.toml").write_text(dump_toml(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype = autocast_dtype(device_type, cfg.train.mixed_precision)
@@ -211,23 +218,7 @@ def _prompts(cfg: JobConfig, dp: int, command: str
         except ValueError as e:
             raise ValueError(f"post.prompts='builtin': {e} (post.eval_prompts, "
                              "post.prompt_chars, post.completion_tokens)") from None  # fmt: skip
-    every = read_prompts_jsonl(p.prompts)
-    if wanted is not None:
-        missing = sorted(set(wanted) - set(domains(every)))
-        if missing:
-            raise ValueError(f"post.domains names {missing}, but {p.prompts} has the domains "
-                             f"{domains(every)}")  # fmt: skip
-        every = [x for x in every if x.domain in wanted]
-    held, train = [], []
-    for d in domains(every):  # the last eval_prompts of each domain are held out
-        rows = [x for x in every if x.domain == d]
-        if len(rows) <= p.eval_prompts:
-            raise ValueError(f"{p.prompts}: domain {d!r} has {len(rows)} prompts, post."
-                             f"eval_prompts={p.eval_prompts} are held out: add prompts or "
-                             "lower post.eval_prompts")  # fmt: skip
-        train += rows[: -p.eval_prompts] if p.eval_prompts else rows
-        held += rows[-p.eval_prompts :] if p.eval_prompts else []
-    return train, held
+    return split_jsonl_prompts(p.prompts, wanted, p.eval_prompts)
 
 
 def collected(main: Callable[[JobConfig], dict]) -> Callable[[JobConfig], dict]:

@@ -167,27 +167,36 @@ def _sample(
 def read_prompts_jsonl(path: str | Path) -> list[TaggedPrompt]:
     """Prompts from a JSONL file: {"prompt": str, "domain": str, "reference": str (optional)}.
 
-    Blank lines are skipped and other keys ignored (so files made for other tools load).
-    Every problem is a one-line ValueError naming ``file:line``.
+    Blank lines are skipped and other keys ignored (so files made for other tools load); a
+    UTF-8 byte-order mark (as some editors write) is skipped. Every problem is a one-line
+    ValueError naming ``file:line``.
     """
+    if not str(path).strip() or Path(path).is_dir():
+        raise ValueError(f"post.prompts={str(path)!r} is not a file: name a JSONL file of "
+                         '{"prompt": ..., "domain": ...} lines, or "builtin"')  # fmt: skip
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"{path}: cannot read prompts file ({e.strerror})") from None
+        raise ValueError(f"{path}: cannot read prompts file ({e.strerror}): set post.prompts "
+                         'to a JSONL file or "builtin"') from None  # fmt: skip
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
     prompts = []
     for lineno, line in enumerate(raw.split(b"\n"), start=1):
         where = f"{path}:{lineno}"
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{where}: not UTF-8") from None
+            raise ValueError(f"{where}: not UTF-8: save the file as UTF-8") from None
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+        except RecursionError:  # e.g. thousands of nested brackets
+            raise ValueError(f"{where}: not valid JSON here (nested too deeply): expected one "
+                             '{"prompt": ..., "domain": ...} object per line') from None  # fmt: skip
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         for key in ("prompt", "domain"):
@@ -198,10 +207,43 @@ def read_prompts_jsonl(path: str | Path) -> list[TaggedPrompt]:
         reference = obj.get("reference", "")
         if not isinstance(reference, str):
             raise ValueError(f'{where}: "reference" must be a string if given')
-        prompts.append(TaggedPrompt(obj["prompt"], obj["domain"], reference))
+        for key, value in (("prompt", obj["prompt"]), ("domain", obj["domain"]),
+                           ("reference", reference)):  # fmt: skip
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:  # "\ud800" in the JSON: a lone surrogate
+                raise ValueError(f'{where}: "{key}" holds {value[e.start]!r}, a lone UTF-16 '
+                                 "surrogate that no tokenizer can encode: fix the escape") from None  # fmt: skip
+        domain = obj["domain"]
+        if not domain.strip():  # (a name with "," or "=" is fine where no setting names it: rl)
+            raise ValueError(f'{where}: "domain" {domain!r} is blank: name the prompt\'s domain')
+        prompts.append(TaggedPrompt(obj["prompt"], domain, reference))
     if not prompts:
         raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
     return prompts
+
+
+def split_jsonl_prompts(path: str | Path, wanted: set[str] | None, eval_prompts: int
+                        ) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:  # fmt: skip
+    """(train, held-out) prompts of a JSONL file: only the ``wanted`` domains (None: all), the
+    last ``eval_prompts`` of each domain held out. One-line ValueErrors naming the key."""
+    every = read_prompts_jsonl(path)
+    if wanted is not None:
+        missing = sorted(set(wanted) - set(domains(every)))
+        if missing:
+            raise ValueError(f"post.domains names {missing}, but {path} has the domains "
+                             f"{domains(every)}")  # fmt: skip
+        every = [x for x in every if x.domain in wanted]
+    held, train = [], []
+    for d in domains(every):  # the last eval_prompts of each domain are held out
+        rows = [x for x in every if x.domain == d]
+        if len(rows) <= eval_prompts:
+            raise ValueError(f"{path}: domain {d!r} has {len(rows)} prompts, post."
+                             f"eval_prompts={eval_prompts} are held out: add prompts or "
+                             "lower post.eval_prompts")  # fmt: skip
+        train += rows[:-eval_prompts] if eval_prompts else rows
+        held += rows[-eval_prompts:] if eval_prompts else []
+    return train, held
 
 
 def domains(prompts: list[TaggedPrompt]) -> list[str]:

@@ -10,6 +10,7 @@ import ast
 import builtins
 import functools
 import importlib
+import inspect
 import pkgutil
 import re
 import sys
@@ -357,6 +358,12 @@ def load_reward(spec: str) -> Reward:
             f"reward {spec!r}: cannot import module {module_name!r} ({e}); "
             "install it or add its directory to PYTHONPATH"
         ) from None
+    except (Exception, SystemExit) as e:  # the module's own code failed: a SyntaxError, ...
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"reward {spec!r}: importing module {module_name!r} raised "
+            f"{type(e).__name__}{': ' + first if first else ''}; fix the module"
+        ) from None
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(
@@ -368,4 +375,16 @@ def load_reward(spec: str) -> Reward:
             f"reward {spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function "
             "(prompt, completion, domain) -> float"
         )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: they are called as they are
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind("", "", "")
+        except TypeError as e:
+            raise ValueError(
+                f"reward {spec!r}: {module_name}.{attr}{signature} cannot be called as "
+                f"(prompt, completion, domain) ({e}); give it those three arguments"
+            ) from None
     return fn

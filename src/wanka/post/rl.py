@@ -16,7 +16,7 @@ import math
 import torch
 
 from wanka.config.schema import JobConfig
-from wanka.post.checks import check_common
+from wanka.post.checks import check_common, check_run_dir
 from wanka.post.engine import (
     build_sharded,
     frozen,
@@ -56,19 +56,36 @@ def check_rl(cfg: JobConfig) -> None:
     if p.clip_eps <= 0 or p.kl_coef < 0:
         raise ValueError("post.clip_eps must be > 0 and post.kl_coef >= 0 (e.g. 0.2 and 0.04)")
     load_reward(p.reward)  # a bad reward spec fails here, in one line, not in every rank
+    # post.init is read at every start, resumed or not: the KL reference.
+    check_run_dir(cfg, "rl", {"post.init": p.init}, needs_init=True)
+
+
+# Rewards are normalised per group in float64 and the advantages used in float32: a reward
+# beyond this is more likely a bug (a sentinel, an overflow) than a score.
+REWARD_LIMIT = 1e30
 
 
 def _rewards(reward: Reward, prompts, texts: list[str], spec: str) -> torch.Tensor:
+    """The user's (or a built-in) reward of each completion; anything but a finite number, or
+    an exception inside the function, stops the job in one line naming post.reward."""
     values = []
     for x, t in zip(prompts, texts):
-        r = reward(x.text, t, x.domain)
         try:
-            r = float(r)
-        except (TypeError, ValueError):
+            got = reward(x.text, t, x.domain)
+        except (Exception, SystemExit) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"post.reward={spec!r} raised {type(e).__name__}"
+                             f"{': ' + first if first else ''} on a completion of a "
+                             f"{x.domain!r} prompt: fix the function (it must return a "
+                             "number for any text)") from None  # fmt: skip
+        try:  # a number: int, float, bool, a numpy or 0-d torch scalar; not the text "0.5"
+            r = math.nan if isinstance(got, str | bytes) else float(got)
+        except (TypeError, ValueError, OverflowError):
             r = math.nan
-        if not math.isfinite(r):
-            raise ValueError(f"post.reward={spec!r} returned {r!r} for a completion: a reward "
-                             "must be a finite number")  # fmt: skip
+        if not math.isfinite(r) or abs(r) > REWARD_LIMIT:
+            raise ValueError(f"post.reward={spec!r} returned {got!r:.80} "
+                             f"({type(got).__name__}) for a completion: a reward must be a "
+                             f"finite number of magnitude at most {REWARD_LIMIT:g}")  # fmt: skip
         values.append(r)
     return torch.tensor(values, dtype=torch.float64)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from wanka.config.schema import JobConfig
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
-from wanka.post.checks import check_common, check_frozen_model
+from wanka.post.checks import check_common, check_run_dir, check_teachers
 from wanka.post.distill import Teachers, held_out_loss, parse_teachers
 from wanka.post.engine import Rollout, run_config
 from wanka.post.job import PostJob, collected, setup
@@ -28,12 +28,15 @@ def check_sft(cfg: JobConfig) -> None:
     if not p.init:
         raise ValueError("post.init is empty: name the run directory (a finished `wanka train` "
                          "run) to fine-tune")  # fmt: skip
-    check_common(cfg, samples_from_policy=p.sft_source == "teachers")
+    on_references = "post.sft_source='reference'" if p.sft_source == "reference" else ""
+    used = check_common(cfg, samples_from_policy=p.sft_source == "teachers",
+                        references_for=on_references)  # fmt: skip
     run_config(p.init, "post.init")
-    if p.sft_source == "teachers":
-        for domain, run_dir in parse_teachers(p.teachers).items():
-            role = f"teacher for {domain!r}"
-            check_frozen_model(cfg, run_config(run_dir, role).model, role)
+    teachers = parse_teachers(p.teachers) if p.sft_source == "teachers" else {}
+    check_run_dir(cfg, "sft", {"post.init": p.init} | {f"the teacher for {d!r}": r
+                                                       for d, r in teachers.items()})  # fmt: skip
+    if teachers:
+        check_teachers(cfg, teachers, used)
 
 
 class TeacherSamples:
