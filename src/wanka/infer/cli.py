@@ -35,16 +35,26 @@ def read_prompts(path: str) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no prompts file {p}: pass a text file (one prompt per line)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{p}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}): save the "
+                         "prompts as UTF-8") from None  # fmt: skip
     prompts = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
-                prompts.append(str(json.loads(line)["prompt"]))
+                prompt = json.loads(line)["prompt"]
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{p}:{n}: a JSON line needs a 'prompt' field, e.g. "
                                  '{"prompt": "def main("}') from None  # fmt: skip
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{p}:{n}: 'prompt' is {json.dumps(prompt)}: it must be a "
+                                 'non-empty string, e.g. {"prompt": "def main("}')  # fmt: skip
+            prompts.append(prompt)
         else:
             prompts.append(line.replace("\\n", "\n"))
     if not prompts:
@@ -65,6 +75,8 @@ def _generate(args: argparse.Namespace) -> int:
     from wanka.infer.load import load_trained
     from wanka.infer.sampling import Sampling
 
+    if args.prompt is not None and not args.prompt:
+        raise ValueError('--prompt is empty: give the text to complete, e.g. --prompt "def main("')
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts)
     sampling = Sampling(args.temperature, args.top_p)
     model, cfg, ckpt = load_trained(args.run_dir, args.checkpoint)
@@ -73,13 +85,25 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--eos {args.eos} is not a token id of this model (0..{cfg.model.vocab_size - 1})"
         )
+    try:
+        encoded = [[int(t) for t in tok.encode(p)] for p in prompts]
+    except UnicodeError as e:  # e.g. a --prompt argument that is not valid UTF-8
+        raise ValueError(f"a prompt is not valid text ({e.reason}): pass UTF-8 text") from None
+    # Every prompt checked before any text is printed: not a failure after half the batches.
+    check = Generator(model, sampling, args.speculate, args.seed, args.eos)
+    for n, ids in enumerate(encoded):
+        try:
+            check.check([ids], args.max_new_tokens)
+        except ValueError as e:
+            where = f"{args.prompts}: prompt {n + 1}" if args.prompts else "--prompt"
+            raise ValueError(f"{where}: {e}") from None
     torch.set_grad_enabled(False)
     stream = len(prompts) == 1 and not args.json
     print(f"[{ckpt}]", file=sys.stderr)
     total_tokens, t0, stats = 0, time.perf_counter(), []
     for first in range(0, len(prompts), args.batch_size):
         batch = prompts[first : first + args.batch_size]
-        ids = [[int(t) for t in tok.encode(p)] for p in batch]
+        ids = encoded[first : first + args.batch_size]
         gen = Generator(model, sampling, args.speculate, args.seed + first, args.eos)
         printer = _Streamer(tok) if stream else None
         if printer is not None:

@@ -61,6 +61,18 @@ class Generator:
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:  # fmt: skip
         """Completions of each prompt (token ids), at most max_new_tokens each, ending at the
         first EOS (included). on_tokens(row, ids) streams each row's new tokens as they come."""
+        self.check(prompts, max_new_tokens)
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.done = [False] * len(prompts)
+        self.max_new, self.on_tokens = max_new_tokens, on_tokens
+        run = self._speculative if self.speculate else self._plain
+        run(prompts)
+        return self.out
+
+    def check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """One line for prompts this model cannot complete (before anything is decoded)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be 1 or more (got {max_new_tokens})")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         V = self.model.cfg.vocab_size
@@ -71,14 +83,9 @@ class Generator:
         longest = max(map(len, prompts))
         limit = self.model.cfg.max_seq_len
         if longest + max_new_tokens + self.speculate > limit:
-            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) "
+            spec = f" + speculate ({self.speculate})" if self.speculate else ""
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}){spec} "
                              f"exceeds the model's max_seq_len {limit}: shorten one of them")  # fmt: skip
-        self.out: list[list[int]] = [[] for _ in prompts]
-        self.done = [False] * len(prompts)
-        self.max_new, self.on_tokens = max_new_tokens, on_tokens
-        run = self._speculative if self.speculate else self._plain
-        run(prompts)
-        return self.out
 
     # -- the two loops ---------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from wanka.config.loader import load_config
 from wanka.config.schema import JobConfig
@@ -18,6 +20,7 @@ from wanka.models.attention import make_ropes
 from wanka.models.transformer import Transformer
 from wanka.train.checkpoint import (
     Checkpointer,
+    _last_line,
     complete_checkpoints,
     model_diff,
     same_model,
@@ -35,8 +38,9 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
         return path
     found = complete_checkpoints(run_dir / "checkpoints")
     for path in reversed(found):
-        if verify(path) is None:
+        if (problem := verify(path)) is None:
             return path
+        print(f"[skipping damaged checkpoint {problem}]", file=sys.stderr)
     what = "only damaged checkpoints" if found else "no complete checkpoint"
     raise ValueError(f"{run_dir} has {what}: train it first (wanka train), or pass --checkpoint")
 
@@ -58,22 +62,20 @@ def load_trained(run_dir: str | Path, checkpoint: str = "latest",
             b.zero_()
         for name, table in make_ropes(cfg.model, device=device).items():
             getattr(model, f"rope_{name}").copy_(table)
-    state = {"model": model.state_dict(), "train": {"model_config": ""}}
+    # The recorded [model] config first: a checkpoint of another model shape is then named by
+    # its config difference, not by the first tensor that does not fit.
+    now = json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)
     try:
-        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # DCP wraps shape / key mismatches in several exception types
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ValueError(f"checkpoint {path} does not fit the model in {run_dir}/config.toml "
-                         f"({last})") from None  # fmt: skip
-    saved, now = (
-        state["train"]["model_config"],
-        json.dumps(dataclasses.asdict(cfg.model), sort_keys=True),
-    )
-    if saved and not same_model(saved, now):
-        raise ValueError(f"checkpoint {path} was saved with another [model] config than "
-                         f"{run_dir}/config.toml ({model_diff(saved, now)})")  # fmt: skip
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # a .metadata another torch wrote, or a damaged one
+        raise ValueError(f"checkpoint {path}: cannot read its metadata ({_last_line(e)}): "
+                         "pass another --checkpoint") from None  # fmt: skip
+    if "train.model_config" in keys:
+        saved = _load(path, {"train": {"model_config": ""}}, run_dir)["train"]["model_config"]
+        if saved and not same_model(saved, now):
+            raise ValueError(f"checkpoint {path} was saved with another [model] config than "
+                             f"{run_dir}/config.toml ({model_diff(saved, now)})")  # fmt: skip
+    _load(path, {"model": model.state_dict()}, run_dir)
     if _in_dense_warmup(cfg, Checkpointer.step_of(path)):
         # The indexer has not been trained to select yet: attend densely at every length.
         for module in model.modules():
@@ -81,6 +83,17 @@ def load_trained(run_dir: str | Path, checkpoint: str = "latest",
                 module.topk = cfg.model.max_seq_len
         print(f"[{path} is from the dense warm-up: decoding with dense attention]", file=sys.stderr)
     return model.eval(), cfg, path
+
+
+def _load(path: Path, state: dict, run_dir: Path) -> dict:
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise ValueError(f"checkpoint {path} does not fit the model in {run_dir}/config.toml "
+                         f"({_last_line(e)})") from None  # fmt: skip
+    return state
 
 
 def _in_dense_warmup(cfg: JobConfig, step: int) -> bool:

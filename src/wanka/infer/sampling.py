@@ -9,6 +9,7 @@ the one plain greedy decoding gives.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature {self.temperature} is negative: use 0 (greedy) or more")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} is not a finite number >= 0: use 0 "
+                             "(greedy) or e.g. 0.8")  # fmt: skip
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p {self.top_p} is not in (0, 1]: use e.g. 0.9, or 1 (off)")
 
@@ -36,7 +38,8 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     logits = logits.float()
     if sampling.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    # The max first: a tiny temperature then gives -inf (not inf - inf = nan) off the argmax.
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / sampling.temperature, dim=-1)
     if sampling.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens

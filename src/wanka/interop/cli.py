@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import re
 import shutil
+import warnings
 from pathlib import Path
 
 SHARD_BYTES = 4 << 30  # safetensors shard size, as transformers' save_pretrained defaults to
@@ -28,14 +31,84 @@ def add_interop_parsers(sub) -> None:
     i.set_defaults(fn=_import)
 
 
-def _fresh_dir(path: Path, force: bool) -> None:
-    if path.exists() and any(path.iterdir()):
-        if not force:
-            raise ValueError(
-                f"{path} is not empty: pick a new --out, or pass --force to replace it"
-            )
-        shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+# What `wanka export` writes: the only files `--force` replaces in an export directory.
+_EXPORT_FILES = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+                           r"model\.safetensors\.index\.json|tokenizer(_config)?\.json")  # fmt: skip
+
+
+def _check_out(out: Path, force: bool, source: Path, kind: str) -> None:
+    """Refuse, before anything is read or written, an --out that would lose data: the source
+    itself or a folder holding it, a file, or (even with --force) a non-empty folder that is
+    not what this command writes (an earlier export; for import, a run directory not in use)."""
+    o, src = out.resolve(), source.resolve()
+    if o == src or o in src.parents:
+        what = "is" if o == src else "holds"
+        raise ValueError(
+            f"--out {out} {what} {source}, which this command reads: pick another --out"
+        )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory: pick a new directory path")
+    try:
+        entries = (
+            sorted(p.name for p in out.iterdir() if p.name != _STAGING) if out.is_dir() else []
+        )
+    except OSError as e:
+        raise ValueError(f"cannot read --out {out}: {e.strerror}") from None
+    if not entries:
+        return
+    if not force:
+        raise ValueError(f"{out} is not empty: pick a new --out, or pass --force to replace it")
+    if kind == "export":
+        other = [n for n in entries if not _EXPORT_FILES.fullmatch(n)]
+        if other:
+            raise ValueError(f"--force replaces an earlier export only, and {out} also holds "
+                             f"{other[0]!r}: pick another --out, or empty it yourself")  # fmt: skip
+        return
+    from wanka.train.run_lock import is_live
+
+    if "config.toml" not in entries:
+        raise ValueError(f"--force replaces a run directory only, and {out} has no config.toml "
+                         f"(it holds {entries[0]!r}): pick another --out, or empty it yourself")  # fmt: skip
+    if is_live(out):
+        raise ValueError(f"{out} is in use by a running job (its wanka.lock is held): pick "
+                         "another --out")  # fmt: skip
+
+
+# Where a command writes before its files replace --out's: inside --out (same filesystem, so
+# the files move by rename), never counted as --out's own content.
+_STAGING = ".wanka-partial"
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """A folder inside `out` to write into; once the body is done, `out`'s old files are removed
+    and the new ones renamed into place. On a failure in the body `out` is as it was and the
+    half-written folder is removed."""
+    out = out.resolve()  # `--out .`: the folder itself, not a sibling named "."
+    tmp = out / _STAGING
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed run's leftovers
+        tmp.mkdir()
+    except OSError as e:
+        raise ValueError(f"cannot write --out {out}: {e.strerror or e}") from None
+    try:
+        yield tmp
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise ValueError(f"cannot write --out {out}: {e.strerror or e}") from None
+        raise
+    try:  # renames within one filesystem: the old files go only once the new ones are whole
+        for old in out.iterdir():
+            if old.name != _STAGING:
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        for f in tmp.iterdir():
+            f.rename(out / f.name)
+        tmp.rmdir()
+    except OSError as e:
+        raise ValueError(f"cannot replace the files in --out {out}: {e.strerror or e} (the new "
+                         f"ones are in {tmp})") from None  # fmt: skip
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -46,10 +119,11 @@ def _export(args: argparse.Namespace) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     if (run_dir / "config.toml").is_file():  # refuse before loading weights
         check_exportable(load_config(run_dir / "config.toml").model)
+    _check_out(out, args.force, run_dir, "export")
     model, cfg, ckpt = load_trained(run_dir, args.checkpoint)
     check_exportable(cfg.model)
-    _fresh_dir(out, args.force)
-    n, note = write_hf(model.state_dict(), cfg.model, cfg.data.tokenizer, out)
+    with _staged(out) as tmp:
+        n, note = write_hf(model.state_dict(), cfg.model, cfg.data.tokenizer, tmp)
     print(f"wrote {out}: {n} tensors from {ckpt}{note}")
     return 0
 
@@ -131,15 +205,35 @@ def _import(args: argparse.Namespace) -> int:
 
     from wanka.config.loader import dump_toml
     from wanka.config.schema import DataConfig, JobConfig, RunConfig
-    from wanka.interop.hf import from_hf, model_config, read_tensors
+    from wanka.interop.hf import (
+        check_tensors,
+        from_hf,
+        import_seq_len,
+        model_config,
+        read_tensors,
+    )
     from wanka.models.transformer import Transformer
     from wanka.train.checkpoint import step_dir, write_manifest
 
     hf_dir, out = Path(args.hf_dir), Path(args.out)
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} has no config.json: pass a Hugging Face checkpoint directory")
-    cfg = model_config(json.loads((hf_dir / "config.json").read_text()))
-    sd = from_hf(read_tensors(hf_dir), cfg)
+    _check_out(out, args.force, hf_dir, "import")
+    try:
+        hf = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{hf_dir / 'config.json'} is not readable JSON ({e}): re-download "
+                         "or re-export it") from None  # fmt: skip
+    try:
+        cfg = model_config(hf)
+    except ValueError as e:
+        raise ValueError(f"{hf_dir}: {e}") from None
+    tensors = read_tensors(hf_dir)
+    try:
+        check_tensors(tensors, cfg)
+    except ValueError as e:
+        raise ValueError(f"{hf_dir} {e}") from None
+    sd = from_hf(tensors, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
@@ -152,17 +246,20 @@ def _import(args: argparse.Namespace) -> int:
     tokenizer = "byte"
     if (hf_dir / "tokenizer.json").is_file() and not _is_byte_tokenizer(hf_dir / "tokenizer.json"):
         tokenizer = str((out / "tokenizer.json").resolve())
-    _fresh_dir(out, args.force)
-    if tokenizer != "byte":
-        shutil.copy(hf_dir / "tokenizer.json", out / "tokenizer.json")
-    job = JobConfig(model=cfg, data=DataConfig(tokenizer=tokenizer), run=RunConfig(dir=str(out)))
-    (out / "config.toml").write_text(dump_toml(job))
-    ck = step_dir(out / "checkpoints", 0)
+    job = JobConfig(model=cfg, data=DataConfig(tokenizer=tokenizer, seq_len=import_seq_len(cfg)),
+                    run=RunConfig(dir=str(out)))  # fmt: skip
     model_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     state = {"model": model.state_dict(),
              "train": {"step": 0, "rng": torch.get_rng_state(), "model_config": model_json}}  # fmt: skip
-    dcp.save(state, checkpoint_id=str(ck), no_dist=True)
-    write_manifest(ck, 0)
+    with _staged(out) as tmp:
+        if tokenizer != "byte":
+            shutil.copy(hf_dir / "tokenizer.json", tmp / "tokenizer.json")
+        (tmp / "config.toml").write_text(dump_toml(job))
+        ck = step_dir(tmp / "checkpoints", 0)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, checkpoint_id=str(ck), no_dist=True)
+        write_manifest(ck, 0)
     print(f"wrote run directory {out} (model only, step 0): wanka generate {out} --prompt ...")
     return 0
 

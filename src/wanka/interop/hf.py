@@ -16,6 +16,7 @@ What the format cannot say is refused in one line: MQA attention, cross-layer in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -82,14 +83,44 @@ def hf_config(cfg: ModelConfig) -> dict:
     }
 
 
+# config.json key -> wanka ModelConfig field, for the keys model_config reads (named in errors)
+_HF_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "max_position_embeddings": "max_seq_len",
+    "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "q_lora_rank": "q_lora_rank",
+    "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+    "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+    "index_n_heads": "n_index_heads", "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk", "first_k_dense_replace": "n_dense_layers",
+    "intermediate_size": "dense_hidden", "n_routed_experts": "n_experts",
+    "num_experts_per_tok": "n_active_experts", "moe_intermediate_size": "expert_hidden",
+    "n_shared_experts": "n_shared_experts", "routed_scaling_factor": "route_scale",
+    "n_group": "n_expert_groups", "topk_group": "n_limited_groups",
+    "num_nextn_predict_layers": "mtp_depth", "tie_word_embeddings": "tie_embeddings",
+}  # fmt: skip
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+             "index_n_heads", "index_head_dim", "index_topk", "intermediate_size",
+             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")  # fmt: skip
+_DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+             "first_k_dense_replace": 0, "n_shared_experts": 0, "routed_scaling_factor": 1.0,
+             "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}  # fmt: skip
+
+
 def model_config(hf: dict, flavor: str = "tiny") -> ModelConfig:
     """The wanka ModelConfig of a deepseek_v32 config.json (every field explicit: `flavor`
-    only names the preset a config.toml starts from)."""
+    only names the preset a config.toml starts from). Values are type- and range-checked as a
+    config.toml's [model] is; a bad one is named by its config.json key."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json holds a JSON {type(hf).__name__}, not an object: pass a "
+                         "Hugging Face checkpoint's config.json")  # fmt: skip
     if hf.get("model_type") != MODEL_TYPE:
         raise ValueError(f"config.json has model_type {hf.get('model_type')!r}: wanka imports "
                          f"{MODEL_TYPE!r} checkpoints")  # fmt: skip
     rope = hf.get("rope_parameters") or {"rope_type": "default",
                                          "rope_theta": hf.get("rope_theta", 10000.0)}  # fmt: skip
+    if not isinstance(rope, dict):
+        raise ValueError(f"config.json's rope_parameters is {rope!r}, not an object")
     if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
         raise ValueError("this checkpoint uses scaled RoPE (yarn), which wanka does not have: "
                          "import a checkpoint with rope_type 'default'")  # fmt: skip
@@ -98,31 +129,46 @@ def model_config(hf: dict, flavor: str = "tiny") -> ModelConfig:
     if not hf.get("norm_topk_prob", True):
         raise ValueError("wanka always normalises the selected experts' weights "
                          "(norm_topk_prob = true); this checkpoint does not")  # fmt: skip
+    for key in _REQUIRED:
+        if key not in hf:
+            raise ValueError(f"config.json lacks {key!r}, which a deepseek_v32 config has")
+    values = {**_DEFAULTS, **{k: hf[k] for k in _HF_FIELDS if k in hf}}
+    values["rope_theta"] = rope.get("rope_theta", 1e4)
+    if values["tie_word_embeddings"] is None:
+        values["tie_word_embeddings"] = False
+    raw = {_HF_FIELDS[k]: v for k, v in values.items()}
+    raw["head_dim"] = _sum_or_none(hf["qk_nope_head_dim"], hf["qk_rope_head_dim"])
+    raw.update(flavor=flavor, attention="mla", index_share_every=1)
+    from wanka.config.loader import ConfigError, _build, validate
+    from wanka.config.schema import DataConfig, JobConfig
+
+    back = {v: k for k, v in _HF_FIELDS.items()}
+    back["head_dim"] = "qk_nope_head_dim + qk_rope_head_dim"
     try:
-        return ModelConfig(
-            flavor=flavor, attention="mla", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-            head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", 1e4)),
-            max_seq_len=hf.get("max_position_embeddings", 4096),
-            q_lora_rank=hf["q_lora_rank"], kv_lora_rank=hf["kv_lora_rank"],
-            qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"], n_index_heads=hf["index_n_heads"],
-            index_head_dim=hf["index_head_dim"], index_topk=hf["index_topk"],
-            index_share_every=1, n_dense_layers=hf.get("first_k_dense_replace", 0),
-            dense_hidden=hf["intermediate_size"], n_experts=hf["n_routed_experts"],
-            n_active_experts=hf["num_experts_per_tok"],
-            expert_hidden=hf["moe_intermediate_size"],
-            n_shared_experts=hf.get("n_shared_experts", 0),
-            route_scale=float(hf.get("routed_scaling_factor", 1.0)),
-            n_expert_groups=hf.get("n_group", 1), n_limited_groups=hf.get("topk_group", 1),
-            mtp_depth=hf.get("num_nextn_predict_layers", 0),
-        )  # fmt: skip
-    except KeyError as e:
+        checked = _build(ModelConfig, raw, "model")  # types, as a config.toml's are checked
+        # The preset's other fields stay ModelConfig's defaults, as before type checking.
+        cfg = dataclasses.replace(ModelConfig(), **{k: getattr(checked, k) for k in raw})
+        # The run directory `wanka import` writes must load: rows no longer than the model's.
+        validate(JobConfig(model=cfg, data=DataConfig(seq_len=import_seq_len(cfg))))
+    except ConfigError as e:
+        field = e.path.removeprefix("model.")
+        key = back.get(field, e.path)
         raise ValueError(
-            f"config.json lacks {e.args[0]!r}, which a deepseek_v32 config has"
+            f"config.json's {key} does not describe a model wanka can build ({e})"
         ) from None
+    return cfg
+
+
+def _sum_or_none(a, b):
+    ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+    return a + b if ok else None
+
+
+def import_seq_len(cfg: ModelConfig) -> int:
+    """data.seq_len of an imported run: the default 256, or less for a shorter model."""
+    from wanka.config.schema import DataConfig
+
+    return min(DataConfig().seq_len, cfg.max_seq_len)
 
 
 def _rope_perm(r: int) -> torch.Tensor:
@@ -255,13 +301,60 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return {k: v.to(torch.float32).contiguous() for k, v in out.items()}
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_IGNORED = ("rotary_emb.inv_freq",)  # buffers some writers save; wanka computes its own
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """One line naming the first tensor that is missing, has the wrong shape or a dtype wanka
+    cannot load (quantized weights), or is more than the config.json describes."""
+    from wanka.models.transformer import Transformer
+
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in to_hf(Transformer(cfg).state_dict(), cfg).items()}
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"does not match its config.json: tensor {missing[0]!r} is missing{more} "
+                         "(a shard not downloaded, or a config.json of another model size?)")  # fmt: skip
+    for k, shape in expected.items():
+        t = tensors[k]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"does not match its config.json: tensor {k!r} has shape "
+                             f"{list(t.shape)}, the config implies {list(shape)}")  # fmt: skip
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"tensor {k!r} is {str(t.dtype).removeprefix('torch.')}: wanka "
+                             "imports float32/bfloat16/float16 weights (dequantize the "
+                             "checkpoint first)")  # fmt: skip
+    # A tied model's file may still hold the copy some writers keep: the embedding is used.
+    tied_copy = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(k for k in tensors
+                   if k not in expected and not k.endswith(_IGNORED) and k not in tied_copy)  # fmt: skip
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"does not match its config.json: tensor {extra[0]!r}{more} is not part "
+                         "of the model it describes (more layers or experts than config.json "
+                         "says, or quantization scales?)")  # fmt: skip
+
+
 def read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of model.safetensors or of the shards its index names."""
     from safetensors.torch import load_file
 
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(f, str) for f in files):
+                raise TypeError
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a "
+                             "'weight_map' of tensor -> file): re-download or re-export it") from None  # fmt: skip
+        for f in files:
+            if not (hf_dir / f).is_file():
+                raise ValueError(f"{hf_dir} lacks {f}, a shard its model.safetensors.index.json "
+                                 "names: download every shard")  # fmt: skip
     elif (hf_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -269,5 +362,10 @@ def read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
                          "checkpoint directory")  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(hf_dir / f)))
+        try:
+            tensors.update(load_file(str(hf_dir / f)))
+        except Exception as e:  # safetensors' SafetensorError (truncated, bad header), OSError
+            detail = " ".join(str(e).split())[:200] or type(e).__name__
+            raise ValueError(f"{hf_dir / f} is not a readable safetensors file ({detail}): "
+                             "re-download or re-export it") from None  # fmt: skip
     return tensors

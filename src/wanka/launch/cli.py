@@ -32,12 +32,49 @@ def _check_mode(a: argparse.Namespace) -> None:
 
 
 def _job(a: argparse.Namespace, config: str, node_counts: tuple[int, ...] = ()) -> Job:
+    if a.gpus_per_node < 0:
+        raise ValueError(f"--gpus-per-node must be 0 or more (got {a.gpus_per_node})")
     nproc = a.nproc if a.nproc is not None else max(a.gpus_per_node, 1)
+    if a.gpus_per_node and nproc > a.gpus_per_node:
+        raise ValueError(f"--nproc {nproc} ranks per node but --gpus-per-node {a.gpus_per_node}: "
+                         "each rank needs its own accelerator; use --nproc "
+                         f"{a.gpus_per_node} or fewer")  # fmt: skip
+    _check_out(a, config)
     cfg = check_job(config, a.set, a.nodes, nproc, node_counts)
     ledger = a.ledger if a.ledger is not None else cfg.resilience.ledger
     return Job(config=config, sets=list(a.set), nodes=a.nodes, nproc=nproc, run_dir=cfg.run.dir,
                name=job_name(cfg.run.dir, a.name), evicted=evicted_nodes(ledger),
                ledger=ledger, store_control=cfg.resilience.control == "store")  # fmt: skip
+
+
+def _check_out(a: argparse.Namespace, config: str) -> None:
+    """--out may replace a script or manifest `wanka launch` wrote (run it again to refresh the
+    exclusions), nothing else: never the config, never a file of the user's."""
+    if a.out is None:
+        return
+    path = Path(a.out)
+    if path.resolve() == Path(a.config).resolve():
+        raise ValueError(f"--out {a.out} is the config file itself: pick another --out")
+    if path.is_dir():
+        raise ValueError(f"--out {a.out} is a directory: name the file to write, e.g. "
+                         f"{path / 'job.yaml' if a.k8s else path / 'job.sbatch'}")  # fmt: skip
+    if path.exists() and path.stat().st_size > 0:  # an empty file (mktemp) is fine to fill
+        try:
+            with path.open(encoding="utf-8", errors="replace") as f:
+                head = "".join(f.readline() for _ in range(6)).lower()
+        except OSError as e:
+            raise ValueError(f"cannot write --out {a.out}: {e.strerror}") from None
+        if "written by: wanka launch" not in head:
+            raise ValueError(f"--out {a.out} exists and was not written by wanka launch: pick "
+                             "another --out, or move the file aside")  # fmt: skip
+
+
+def _wanka_cmd(a: argparse.Namespace, default: list[str]) -> list[str]:
+    try:
+        return shlex.split(a.wanka) if a.wanka else default
+    except ValueError as e:
+        raise ValueError(f"--wanka {a.wanka!r}: {e} (a command line, e.g. --wanka "
+                         "'/opt/venv/bin/python -m wanka.cli')") from None  # fmt: skip
 
 
 def _write(text: str, out: str | None) -> None:
@@ -67,7 +104,7 @@ def _slurm(a: argparse.Namespace) -> int:
                          partition=a.partition, account=a.account, time=a.time,
                          warn_s=300 if a.warn_seconds is None else a.warn_seconds,
                          rdzv_port=a.rdzv_port)  # fmt: skip
-    wanka = shlex.split(a.wanka) if a.wanka else [sys.executable, "-m", "wanka.cli"]
+    wanka = _wanka_cmd(a, [sys.executable, "-m", "wanka.cli"])
     text = render(job, res, wanka, os.getcwd(), how=shlex.join(["wanka", *a.argv]))
     out = a.out
     if a.submit and out is None:
@@ -95,7 +132,7 @@ def _k8s(a: argparse.Namespace) -> int:
     # config must fit every node count of the elastic range.
     lo, hi = node_range(a.nodes, opts)
     job = _job(a, a.config, tuple(range(lo, hi + 1)))  # torchrun may form any size in between
-    wanka = shlex.split(a.wanka) if a.wanka else ["wanka"]
+    wanka = _wanka_cmd(a, ["wanka"])
     doc = render(job, opts, wanka)
     header = (f"{doc['kind']} {job.name}: {job.nodes} node(s) x {job.nproc} rank(s) of "
               f"`wanka train`, {_excluded(job)}\nwritten by: {shlex.join(['wanka', *a.argv])}\n"

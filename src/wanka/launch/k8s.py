@@ -70,6 +70,9 @@ def check_options(nodes: int, o: K8sOptions) -> None:
         raise ValueError("--max-restarts and --grace-seconds must be 0 or more")
     if not 0 < o.rdzv_port < 65535:  # the control store takes the next port
         raise ValueError(f"--rdzv-port must be 1-65534 (got {o.rdzv_port})")
+    if o.workdir is not None and not o.workdir.startswith("/"):
+        raise ValueError(f"--workdir {o.workdir!r}: the container's working directory must be an "
+                         "absolute path, e.g. --workdir /data")  # fmt: skip
     if o.pvc is not None:
         claim, _, path = o.pvc.partition(":")
         if not _DNS_LABEL.match(claim) or not path.startswith("/"):
