@@ -27,12 +27,13 @@ def load_metrics(run_dir: Path, markers: list | None = None) -> tuple[list[dict]
         raise ValueError(f"no {METRICS_FILE} in {run_dir}: is this a wanka run directory?")
     train: list[dict] = []
     evals: list[dict] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # Bytes that are not UTF-8 (a torn write, a disk fault) spoil their line only.
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # tolerate a half-written last line from a crashed run
-        if not isinstance(row, dict) or "step" not in row:
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
             continue
         if row.get("kind") == "train":
             train.append(row)

@@ -53,6 +53,10 @@ def test_bad_override_and_missing_file(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(_write(tmp_path, "[train\n"))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[run]\ndir = "runs/caf\xe9"\n')
+    with pytest.raises(ConfigError, match=r"latin1.toml:2 is not UTF-8 text \(save it as UTF-8\)"):
+        load_config(latin1)
 
 
 def test_resolved_config_round_trips(tmp_path):

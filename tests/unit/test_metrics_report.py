@@ -295,3 +295,18 @@ def test_markers_at_one_step_share_one_label(tmp_path, monkeypatch):
     monkeypatch.setattr(Axes, "annotate", lambda self, text, *a, **k: labels.append(text) or real(self, text, *a, **k))  # fmt: skip
     assert plot_loss_curves(tmp_path).is_file()
     assert labels == ["resume + lr schedule change"]
+
+
+def test_a_torn_or_foreign_line_spoils_only_itself(tmp_path: Path) -> None:
+    # Bytes that are not UTF-8 and rows whose step is not an integer (another tool's JSON,
+    # a hand edit) are skipped; the rows around them still load, in step order.
+    (tmp_path / "metrics.jsonl").write_bytes(
+        b'{"kind": "train", "step": 2, "loss": 1.5}\n'
+        b'{"kind": "train", "step": 3, "loss": \xff\xfe}\n'
+        b'{"kind": "train", "step": "4", "loss": 1.2}\n'
+        b'{"kind": "eval", "step": null, "val_loss": 1.0}\n'
+        b'{"kind": "train", "step": 1, "loss": 2.0, "note": "caf\xe9"}\n'
+    )
+    train, evals = load_metrics(tmp_path)
+    assert [r["step"] for r in train] == [1, 2] and evals == []
+    assert train[0]["note"] == "caf\ufffd"

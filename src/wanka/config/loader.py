@@ -36,9 +36,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 "", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml"
             )
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("", f"{p} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            line = p.read_bytes()[: e.start].count(b"\n") + 1
+            raise ConfigError("", f"{p}:{line} is not UTF-8 text", "save it as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(
+                "", f"cannot read {p} ({e.strerror})", "check its permissions"
+            ) from None
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = _build(JobConfig, raw, "")
