@@ -129,12 +129,17 @@ def test_each_mopd_divergence_is_measured_against_sft_at_its_own_loss(bench):
     assert c["target_mean_val_loss"] == pytest.approx(2.5) and c["tokens"]["mopd"] is None
     assert c["tokens"]["sft_teacher_samples"] is None  # SFT's best mean is 2.65: never there
     assert c["sft_over_run"] is None
+    # The forward-KL run reached 2.5 at 2000 tokens; SFT spent 3600 without getting there.
+    assert c["tokens"]["mopd_forward_kl"] == 2000
+    assert c["sft_over_run_at_least"] == pytest.approx(1.8)
     assert s["compute_to_loss"]["mopd"]["sft_over_run"] == pytest.approx(1.8)
+    assert "sft_over_run_at_least" not in s["compute_to_loss"]["mopd"]
     assert s["compute_to_mopd_loss"]["sft_over_mopd"] == pytest.approx(1.8)
     assert s["rl"] is None  # --rl-seeds 0: no RL phase, none read
     text = "\n".join(table(s))
     assert "rl: not run" in text and "SFT / mopd = 1.80x" in text
     assert "compute to reach mopd_forward_kl's mean held-out loss 2.5000" in text
+    assert "SFT / mopd_forward_kl > 1.80x (SFT stopped first)" in text
     # A plan without the forward-KL run ignores the directory another plan left behind.
     only = summarize(bench, PostBenchPlan(rl_seeds=0, mopd_divergences="reverse_kl"))
     assert "mopd_forward_kl" not in only["runs"] and set(only["compute_to_loss"]) == {"mopd"}

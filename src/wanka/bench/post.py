@@ -230,6 +230,10 @@ def summarize(out: Path, plan: PostBenchPlan) -> dict:
         own, sft_at = reach.get(name), reach.get("sft_teacher_samples")
         ratio = sft_at / own if own and sft_at is not None else None
         compute_to[name] = {"target_mean_val_loss": target, "tokens": reach, "sft_over_run": ratio}
+        # SFT ran out before the target: its whole compute is a lower bound on the ratio.
+        sft = students.get("sft_teacher_samples")
+        if own and sft and sft_at is None:
+            compute_to[name]["sft_over_run_at_least"] = sft[-1]["tokens"] / own
     rl = {}
     for seed in range(plan.rl_seeds):
         pts = curve(out / f"rl-seed{seed}", "val_")
@@ -302,10 +306,11 @@ def run_bench_post(args: argparse.Namespace) -> int:
         run(name, "distill", S, post__teachers=both, **extra)
     for d in (x.strip() for x in plan.single_teachers.split(",") if x.strip()):
         run(f"single_{d}", "distill", S, post__teachers=f"code={teacher[d]},prose={teacher[d]}")
-    run("offpolicy_mixed", "distill", round(S * CHEAPER_STEPS["offpolicy_mixed"]),
-        post__teachers=both, post__on_policy_fraction=0.0, post__divergence="forward_kl")  # fmt: skip
+    # SFT (the compute target's baseline) before the off-policy baseline.
     run("sft_teacher_samples", "sft", S * plan.sft_factor, post__teachers=both,
         post__sft_source="teachers")  # fmt: skip
+    run("offpolicy_mixed", "distill", round(S * CHEAPER_STEPS["offpolicy_mixed"]),
+        post__teachers=both, post__on_policy_fraction=0.0, post__divergence="forward_kl")  # fmt: skip
     for seed in range(plan.rl_seeds):
         run(f"rl-seed{seed}", "rl", plan.rl_steps, train__seed=seed, post__reward=plan.rl_reward,
             post__eval_prompts=2 * plan.eval_prompts,
@@ -342,7 +347,9 @@ def table(result: dict) -> list[str]:
     for name, c in result["compute_to_loss"].items():
         lines.append(f"compute to reach {name}'s mean held-out loss {c['target_mean_val_loss']:.4f}: "
                      + ", ".join(f"{k} {'not reached' if v is None else f'{v:.0f}'}" for k, v in c["tokens"].items())
-                     + (f"; SFT / {name} = {c['sft_over_run']:.2f}x" if c["sft_over_run"] else ""))  # fmt: skip
+                     + (f"; SFT / {name} = {c['sft_over_run']:.2f}x" if c["sft_over_run"] else "")
+                     + (f"; SFT / {name} > {c['sft_over_run_at_least']:.2f}x (SFT stopped first)"
+                        if "sft_over_run_at_least" in c else ""))  # fmt: skip
     rl = result["rl"]
     if rl is None:
         lines.append("rl: not run (--rl-seeds 0)")
