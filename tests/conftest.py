@@ -53,3 +53,13 @@ def pytest_collection_modifyitems(config, items):
         named = rel.name in SERIAL_FILES or "/".join(rel.parts[-2:]) in SERIAL_FILES
         if SERIAL_DIRS.intersection(rel.parts[:-1]) or named:
             item.add_marker(pytest.mark.serial)
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """A test (or code it runs in-process, e.g. a CLI's main) that leaves autograd off would
+    break whichever test runs next on its worker: name the leaking test instead."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was left disabled (use torch.no_grad() as a context)")

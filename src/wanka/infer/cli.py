@@ -97,7 +97,16 @@ def _generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             where = f"{args.prompts}: prompt {n + 1}" if args.prompts else "--prompt"
             raise ValueError(f"{where}: {e}") from None
-    torch.set_grad_enabled(False)
+    # no_grad as a context, not set_grad_enabled(False): an in-process caller keeps autograd.
+    with torch.no_grad():
+        return _decode(args, prompts, encoded, model, tok, sampling, ckpt)
+
+
+def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, sampling,
+            ckpt) -> int:  # fmt: skip
+    """Every batch of prompts, streamed or printed; a summary line on stderr."""
+    from wanka.infer.generate import Generator
+
     stream = len(prompts) == 1 and not args.json
     print(f"[{ckpt}]", file=sys.stderr)
     total_tokens, t0, stats = 0, time.perf_counter(), []
