@@ -14,25 +14,15 @@ import torch
 from wanka.cli import main
 from wanka.config.schema import ModelConfig
 from wanka.infer.sampling import Sampling, probabilities
-from wanka.interop.cli import write_hf
 from wanka.models.transformer import Transformer
 
-CFG = ModelConfig(attention="mla", vocab_size=256, dim=32, n_layers=2, n_heads=2,
-                  q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                  v_head_dim=8, n_index_heads=2, index_head_dim=8, index_topk=8,
-                  n_dense_layers=1, dense_hidden=32, n_experts=4, n_active_experts=2,
-                  expert_hidden=16, n_shared_experts=1, mtp_depth=1, max_seq_len=64)  # fmt: skip
+from .tiny_hf import write_tiny_hf
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gen")
-    with torch.device("meta"):
-        m = Transformer(CFG)
-    m.to_empty(device="cpu")
-    m.init_weights(0)
-    (tmp / "hf").mkdir()
-    write_hf(m.state_dict(), CFG, "byte", tmp / "hf")
+    write_tiny_hf(tmp / "hf")
     assert main(["import", str(tmp / "hf"), "--out", str(tmp / "run")]) == 0
     return tmp / "run"
 
