@@ -44,3 +44,25 @@ def test_bench_cp_quick_then_simulate(tmp_path):
         (n, x) for n in (16, 64) for x in LAYOUTS
     }
     assert sim.with_suffix(".png").read_bytes()[:8] == PNG
+
+
+def test_bench_cp_replay_on_a_length_file(tmp_path):
+    """--replay: no spawned ranks; the same result file, its mode and notes say how it was
+    measured, and every (rank, step) record ran `--repeats` times."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in (40, 300, 900, 2500)))
+    out = tmp_path / "replay.json"
+    r = wanka("bench", "cp", "--replay", "--repeats", "2", "--dp", "2", "--cp", "2",
+              "--lengths", str(lengths), "--seq-len", "1024", "--steps", "1", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "replay" and doc["setup"]["replay_repeats"] == 2
+    assert doc["notes"][0].startswith("replayed:")
+    (run,) = doc["runs"]
+    assert list(run["layouts"]) == list(LAYOUTS)
+    for s in run["layouts"].values():
+        assert sum(s["tokens_per_rank"][0]) == 2048 and all(t > 0 for t in s["compute_s"][0])
+        # Replay's step is its busiest rank: tokens/s is the compute-bound figure.
+        assert s["tokens_per_s"] == pytest.approx(s["compute_bound_tokens_per_s"])
+    assert doc["fit"]["samples"] == 4 * (2 * 2 + 3)
+    assert "targets at 1024 tokens" in r.stdout

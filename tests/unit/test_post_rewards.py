@@ -345,6 +345,23 @@ def test_bad_rewards_stop_the_job_in_one_line(reward, match) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_raising_reward_leaves_its_traceback_in_the_log(caplog) -> None:
+    from wanka.post.prompts import TaggedPrompt
+    from wanka.post.rl import _rewards
+
+    def my_reward(prompt, completion, domain):
+        return {"a": 1}[completion]
+
+    with caplog.at_level("ERROR", logger="wanka.post.rl"), pytest.raises(ValueError) as info:
+        _rewards(my_reward, [TaggedPrompt("p", "code")], ["def f(): pass"], "my:fn")
+    assert "traceback is in RUN_DIR/logs/rank*.log" in str(info.value)
+    (rec,) = caplog.records
+    text = caplog.text
+    assert rec.exc_info is not None and "in my_reward" in text and "KeyError" in text
+    assert rec.console is False  # rank 0's console handler skips it: one line there
+    assert "'def f(): pass'" in text  # the completion it failed on
+
+
 def test_numeric_rewards_of_any_number_type_are_taken() -> None:
     import numpy as np
     import torch

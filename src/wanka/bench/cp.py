@@ -30,6 +30,7 @@ SEQ_LENS = (8192, 16384, 32768)
 QUICK = {"seq_lens": (8192,), "steps": 3}
 FULL = {"seq_lens": SEQ_LENS, "steps": 8}
 SIM_STEPS = 20
+REPLAY_REPEATS = 3  # --replay: runs of each rank's share per step; the fastest counts
 CALIB_STEPS = 2  # contiguous + head_tail steps that fit dynamic's cost model, not reported
 # Small enough that a step of 8k tokens takes seconds per rank on CPU; every block kind
 # (dense + MoE layer, an indexer on each, MTP) so the CP path is the trainer's.
@@ -38,13 +39,26 @@ MODEL = {"dim": 128, "n_layers": 2, "n_heads": 4, "head_dim": 32, "n_index_heads
          "expert_hidden": 128, "mtp_depth": 1}  # fmt: skip
 
 
-def notes(nproc: int, cpus: int, cost_given: bool) -> list[str]:
+def notes(nproc: int, cpus: int, cost_given: bool, repeats: int = 0) -> list[str]:
     planned = (
         "dynamic plans with the --cost model; every layout runs each timed step, in turn."
         if cost_given
         else f"dynamic plans with the cost model fitted on {CALIB_STEPS} calibration steps of "
         "contiguous and head_tail (not reported); every layout runs each timed step, in turn."
     )
+    if repeats:
+        return [
+            f"replayed: each of the {nproc} ranks' forward+backward ran alone in one process on "
+            f"one thread, {repeats} times (compute = the fastest), every layout's plan made as "
+            "the ranks make it; the all-gather is a stand-in of the gathered buffer's shape "
+            "(no communication, no FSDP): compute-bound tokens/s = tokens / the busiest rank's "
+            "compute, what one accelerator per rank would see.",
+            "step s and tokens/s are the same compute-bound view (median busiest rank).",
+            "imbalance = max / mean rank compute per step; modelled = the same from the fitted "
+            "cost model on each rank's pieces.",
+            planned,
+            "step = plan + shard + forward + backward (sparse phase); no optimizer step.",
+        ]
     return [
         f"compute = each rank's own CPU time (time.thread_time) of forward+backward: {nproc} "
         f"ranks ran on {cpus} cores, so wall time hides imbalance when ranks outnumber cores, "
@@ -127,7 +141,8 @@ def _machine() -> dict:
 
 def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple[int, ...],
                  steps: int, dp: int, cp: int, nproc: int, seed: int,
-                 cost: CostModel | None) -> dict:  # fmt: skip
+                 cost: CostModel | None, replay: int = 0) -> dict:  # fmt: skip
+    """replay > 0: no spawned ranks; each rank replayed alone that many times (cp_replay.py)."""
     from wanka.bench.cp_worker import spawn_ranks
     from wanka.distributed.cp_sim import draw_rows
 
@@ -146,11 +161,17 @@ def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple
     spec = {"model": model, "dp": dp, "cp": cp, "seed": seed, "layouts": list(report.LAYOUTS),
             "cost": dataclasses.asdict(cost) if cost else None, "seq_lens": list(seq_lens),
             "calib": calib, "rows": rows}  # fmt: skip
-    print(f"wanka bench cp: {nproc} ranks (dp {dp} x cp {cp}), seq lens {list(seq_lens)}, "
-          f"1 warm-up, {calib} calibration and {steps} timed steps, lengths: {source}",
-          flush=True)  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = spawn_ranks(nproc, Path(tmp) / "raw.json", spec)
+    how = f"replayed one at a time x {replay}" if replay else "spawned"
+    print(f"wanka bench cp: {nproc} ranks (dp {dp} x cp {cp}, {how}), seq lens "
+          f"{list(seq_lens)}, 1 warm-up, {calib} calibration and {steps} timed steps, "
+          f"lengths: {source}", flush=True)  # fmt: skip
+    if replay:
+        from wanka.bench.cp_replay import run_replay
+
+        raw = run_replay(spec, replay)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = spawn_ranks(nproc, Path(tmp) / "raw.json", spec)
     runs, records = [], []
     for s, r, steps_rows in zip(seq_lens, raw, rows):
         layouts = {x: report.summarise_layout(st, dp * s) for x, st in r["per_step"].items()}
@@ -166,11 +187,13 @@ def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple
         run["ratios"] = {k: report.ratios(run["layouts"], k)
                          for k in ("tokens_per_s", "compute_bound_tokens_per_s")}  # fmt: skip
     doc = {
-        "mode": "measured", "machine": machine, "notes": notes(nproc, machine["cpus"], cost is not None),
+        "mode": "replay" if replay else "measured", "machine": machine,
+        "notes": notes(nproc, machine["cpus"], cost is not None, replay),
         "setup": {"nproc": nproc, "dp": dp, "cp": cp, "steps": steps, "warmup_steps": 1,
                   "calibration_steps": calib,
                   "seed": seed, "seq_lens": list(seq_lens), "torch_threads_per_rank": 1,
-                  "phase": "sparse", "model": model, "cost_given": cost is not None},
+                  "phase": "sparse", "model": model, "cost_given": cost is not None,
+                  "replay_repeats": replay},
         "lengths": length_summary(lengths, source), "runs": runs,
         "cost_model": dataclasses.asdict(fitted), "fit": fit, "targets": report.targets(runs),
     }  # fmt: skip
@@ -254,6 +277,8 @@ def bench_cp_main(args) -> int:
     source = str(lengths_path) if lengths_path else "builtin corpus (bytes per document)"
     preset = QUICK if args.quick else FULL
     seq_lens = _ints(args.seq_len, "--seq-len") or preset["seq_lens"]
+    if args.simulate and args.replay:
+        raise ValueError("--simulate models and --replay measures: pick one of them")
     if args.simulate:
         ranks = _ints(args.ranks, "--ranks") or (64, 256, 1024)
         out = Path(args.out or "runs/bench/cp_simulate.json")
@@ -264,7 +289,10 @@ def bench_cp_main(args) -> int:
     cp = _given(args.cp, 4, "--cp")
     dp = _given(args.dp, max(1, (args.nproc or cp) // cp), "--dp")
     nproc = _given(args.nproc, dp * cp, "--nproc")
+    if args.repeats is not None and not args.replay:
+        raise ValueError("--repeats counts the runs of each rank under --replay: add --replay")
+    repeats = _given(args.repeats, REPLAY_REPEATS, "--repeats") if args.replay else 0
     run_measured(lengths, source, Path(args.out or "runs/bench/cp.json"), seq_lens=seq_lens,
                  steps=_given(args.steps, preset["steps"], "--steps"), dp=dp, cp=cp,
-                 nproc=nproc, seed=args.seed, cost=cost)  # fmt: skip
+                 nproc=nproc, seed=args.seed, cost=cost, replay=repeats)  # fmt: skip
     return 0

@@ -32,6 +32,13 @@ def add_bench_cp_parser(sub) -> None:
                         "fit first); --simulate models with it")  # fmt: skip
     p.add_argument("--simulate", action="store_true",
                    help="no model: the modelled comparison at --ranks ranks")  # fmt: skip
+    p.add_argument("--replay", action="store_true",
+                   help="no spawned ranks: replay each rank's forward+backward alone, one "
+                        "after another (compute without ranks sharing cores; no "
+                        "communication)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None,
+                   help="--replay: runs of each rank's share per step, fastest kept (default "
+                        "3)")  # fmt: skip
     p.add_argument("--ranks", default=None, help="simulate: rank counts (default 64,256,1024)")
     p.add_argument("--out", default=None,
                    help="JSON result; .md and .png beside it (default runs/bench/cp.json, "

@@ -11,6 +11,7 @@ gradient plus the KL term.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -60,6 +61,8 @@ def check_rl(cfg: JobConfig) -> None:
     check_run_dir(cfg, "rl", {"post.init": p.init}, needs_init=True)
 
 
+log = logging.getLogger("wanka.post.rl")
+
 # Rewards are normalised per group in float64 and the advantages used in float32: a reward
 # beyond this is more likely a bug (a sentinel, an overflow) than a score.
 REWARD_LIMIT = 1e30
@@ -67,17 +70,27 @@ REWARD_LIMIT = 1e30
 
 def _rewards(reward: Reward, prompts, texts: list[str], spec: str) -> torch.Tensor:
     """The user's (or a built-in) reward of each completion; anything but a finite number, or
-    an exception inside the function, stops the job in one line naming post.reward."""
+    an exception inside the function, stops the job in one line naming post.reward (the
+    exception's traceback goes to the rank's log, with the completion it failed on)."""
     values = []
     for x, t in zip(prompts, texts):
         try:
             got = reward(x.text, t, x.domain)
         except (Exception, SystemExit) as e:
+            log.error(
+                "post.reward=%r raised on this completion of a %r prompt:\n%r",
+                spec,
+                x.domain,
+                t[:2000],
+                exc_info=True,
+                extra={"console": False},
+            )  # the log file only: the console gets one line
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise ValueError(f"post.reward={spec!r} raised {type(e).__name__}"
                              f"{': ' + first if first else ''} on a completion of a "
                              f"{x.domain!r} prompt: fix the function (it must return a "
-                             "number for any text)") from None  # fmt: skip
+                             "number for any text; its traceback is in RUN_DIR/logs/"
+                             "rank*.log)") from None  # fmt: skip
         try:  # a number: int, float, bool, a numpy or 0-d torch scalar; not the text "0.5"
             r = math.nan if isinstance(got, str | bytes) else float(got)
         except (TypeError, ValueError, OverflowError):
