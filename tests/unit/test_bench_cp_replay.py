@@ -22,8 +22,9 @@ def test_stand_in_gather_is_the_gathered_shape_and_its_backward_sums_the_tiles()
     lay = StandInLayout(group=None, Lmax=5, segments=[], needs_gather=True, sparse=True, span=4)
     out = lay.gather(x)
     assert out.shape == (1, 20, 2)  # [B, span * Lmax, ...] as the all-gather's output
-    for r in range(4):
-        assert out[:, 5 * r : 5 * r + 3].equal(x) and not out[:, 5 * r + 3 : 5 * r + 5].any()
+    # Every key distinct (a prefix read across tiles must not hold one key twice: ties).
+    assert len(set(out.flatten().tolist())) == 40
+    assert lay.gather(x).equal(out)  # fixed noise: every layer's stand-in alike
     out.sum().backward()
     assert x.grad.eq(4).all()
     off = StandInLayout(group=None, Lmax=5, segments=[], needs_gather=False, sparse=True)

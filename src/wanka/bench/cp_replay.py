@@ -34,7 +34,11 @@ from wanka.models.transformer import Transformer
 @dataclasses.dataclass
 class StandInLayout(CPLayout):
     """A rank's CPLayout whose gather needs no peers: this rank's keys, padded to the block's
-    Lmax and tiled over the block's `span` ranks (the gathered buffer's real shape)."""
+    Lmax and tiled over the block's `span` ranks (the gathered buffer's real shape), plus
+    fixed noise of their scale. Without the noise a document prefix read across tiles would
+    hold the same key twice, and the indexer's exact tie handling at the k-th score (slow)
+    would run where real, all-distinct keys never send it. Gradients reach x from every tile,
+    as the reduce-scatter brings this rank its keys' gradients."""
 
     span: int = 1
 
@@ -42,7 +46,10 @@ class StandInLayout(CPLayout):
         if not self.needs_gather:
             return x
         pad = [0, 0] * (x.dim() - 2) + [0, self.Lmax - x.shape[1]]
-        return F.pad(x, pad).repeat(1, self.span, *([1] * (x.dim() - 2)))
+        tiles = F.pad(x, pad).repeat(1, self.span, *([1] * (x.dim() - 2)))
+        g = torch.Generator(device=x.device).manual_seed(0)
+        noise = torch.randn(tiles.shape, generator=g, dtype=x.dtype, device=x.device)
+        return tiles + noise * x.detach().std()
 
 
 def keep_freed_memory() -> None:
