@@ -1,12 +1,12 @@
-"""`wanka bench cp --replay`: each rank's share replayed alone with a stand-in gather. The
-stand-in must give the gathered buffer's real shape, the replay must run exactly the plan's
-pieces, and a rank that reads no remote key must compute what the model computes."""
+"""`wanka bench cp --replay`: each rank's share replayed alone, its gathers answered with the
+real keys captured from all ranks in lockstep. The replay must compute each rank's exact share
+of the loss, run exactly the plan's pieces, and plan with the live ranks' gather spans."""
 
 import numpy as np
 import pytest
 import torch
 
-from wanka.bench.cp_replay import StandInLayout, build_model, replay_step
+from wanka.bench.cp_replay import build_model, replay_step
 from wanka.bench.cp_worker import packed_batch
 from wanka.cli import main
 from wanka.config.schema import ModelConfig
@@ -17,18 +17,34 @@ TINY = {"dim": 32, "n_layers": 2, "n_heads": 2, "head_dim": 16, "n_index_heads":
         "expert_hidden": 32, "max_seq_len": 256}  # fmt: skip
 
 
-def test_stand_in_gather_is_the_gathered_shape_and_its_backward_sums_the_tiles():
-    x = torch.randn(1, 3, 2, requires_grad=True)
-    lay = StandInLayout(group=None, Lmax=5, segments=[], needs_gather=True, sparse=True, span=4)
-    out = lay.gather(x)
-    assert out.shape == (1, 20, 2)  # [B, span * Lmax, ...] as the all-gather's output
-    # Every key distinct (a prefix read across tiles must not hold one key twice: ties).
-    assert len(set(out.flatten().tolist())) == 40
-    assert lay.gather(x).equal(out)  # fixed noise: every layer's stand-in alike
-    out.sum().backward()
-    assert x.grad.eq(4).all()
-    off = StandInLayout(group=None, Lmax=5, segments=[], needs_gather=False, sparse=True)
-    assert off.gather(x) is x
+@pytest.mark.parametrize("layout", ["contiguous", "head_tail", "dynamic"])
+def test_replayed_ranks_compute_the_unsharded_loss(layout):
+    """Each replayed rank reads the real keys of the others (captured in lockstep), so its
+    losses are its exact share: summed over the ranks they are one process's on the rows."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(**TINY, mtp_depth=1)
+    model = build_model(cfg)
+    batch = packed_batch([[100, 28], [10, 7, 111]], cfg.vocab_size, 0)
+    timed = []
+    real_forward = model.forward
+
+    def spy(*args, **kwargs):
+        parts = real_forward(*args, **kwargs)
+        if torch.is_grad_enabled():  # the timed passes (the capture runs without grad)
+            timed.append((float(parts.lm_sum.detach()), float(parts.mtp_sum.detach())))
+        return parts
+
+    model.forward = spy
+    recs = replay_step(model, cfg, batch, dp=2, cp=2, layout=layout, cost=CostModel(topk=16),
+                       repeats=2)  # fmt: skip
+    model.forward = real_forward
+    with torch.no_grad():
+        ref = model(batch.tokens, batch.positions, batch.doc_ids, batch.labels, phase="sparse")
+    assert len(timed) == 4 * 2 and [r["rank"] for r in recs] == [0, 1, 2, 3]
+    first = timed[::2]  # each rank's first repeat
+    assert timed[1::2] == first  # a repeat computes the same thing again
+    assert sum(x[0] for x in first) == pytest.approx(float(ref.lm_sum), rel=1e-5)
+    assert sum(x[1] for x in first) == pytest.approx(float(ref.mtp_sum), rel=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "head_tail", "dynamic"])
@@ -50,30 +66,16 @@ def test_replay_runs_every_rank_on_exactly_the_plans_pieces(layout):
     assert all(p.grad is None for p in model.parameters())  # zeroed after each run
 
 
-def test_a_rank_that_reads_no_remote_key_computes_the_models_loss():
-    """Contiguous, one document over cp 2: rank 0 holds its first half and attends only to it,
-    so the stand-in's values are never read and its loss is the model's on that half."""
-    torch.manual_seed(0)
+def test_replay_plans_with_the_live_ranks_gather_spans():
+    """cp = 1 has no gather groups: the live CPSharder never widens, nor may the replay (one
+    long row in one dp group would otherwise spread over both)."""
     cfg = ModelConfig(**TINY, mtp_depth=0)
     model = build_model(cfg)
-    batch = packed_batch([[128]], cfg.vocab_size, 3)
-    seen = []
-    real_forward = model.forward
-
-    def spy(*args, **kwargs):
-        parts = real_forward(*args, **kwargs)
-        seen.append(float(parts.lm_sum.detach()))
-        return parts
-
-    model.forward = spy
-    replay_step(model, cfg, batch, dp=1, cp=2, layout="contiguous", cost=CostModel(topk=16),
-                repeats=1)  # fmt: skip
-    model.forward = real_forward
-    with torch.no_grad():
-        ref = model(batch.tokens[:, :64], batch.positions[:, :64], batch.doc_ids[:, :64],
-                    batch.labels[:, :64], phase="sparse")  # fmt: skip
-    assert seen[0] == pytest.approx(float(ref.lm_sum), rel=1e-5)
-    assert seen[1] != pytest.approx(seen[0], rel=1e-3)  # rank 1: other tokens, other loss
+    batch = packed_batch([[128], [10, 7, 111]], cfg.vocab_size, 0)
+    recs = replay_step(model, cfg, batch, dp=2, cp=1, layout="dynamic", cost=CostModel(topk=16),
+                       repeats=1)  # fmt: skip
+    assert [r["span"] for r in recs] == [1, 1]
+    assert sorted(r["tokens"] for r in recs) == [128, 128]  # the 128-token document stays whole
 
 
 @pytest.mark.parametrize(
@@ -82,6 +84,7 @@ def test_a_rank_that_reads_no_remote_key_computes_the_models_loss():
         (["--repeats", "2"], "--repeats counts the runs of each rank under --replay"),
         (["--replay", "--simulate"], "pick one of them"),
         (["--replay", "--repeats", "0"], "--repeats must be 1 or more"),
+        (["--simulate", "--repeats", "2"], "--repeats counts the runs of each rank under --replay"),
     ],
 )
 def test_replay_flag_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment):

@@ -277,6 +277,8 @@ def bench_cp_main(args) -> int:
     source = str(lengths_path) if lengths_path else "builtin corpus (bytes per document)"
     preset = QUICK if args.quick else FULL
     seq_lens = _ints(args.seq_len, "--seq-len") or preset["seq_lens"]
+    if args.repeats is not None and not args.replay:
+        raise ValueError("--repeats counts the runs of each rank under --replay: add --replay")
     if args.simulate and args.replay:
         raise ValueError("--simulate models and --replay measures: pick one of them")
     if args.simulate:
@@ -289,8 +291,6 @@ def bench_cp_main(args) -> int:
     cp = _given(args.cp, 4, "--cp")
     dp = _given(args.dp, max(1, (args.nproc or cp) // cp), "--dp")
     nproc = _given(args.nproc, dp * cp, "--nproc")
-    if args.repeats is not None and not args.replay:
-        raise ValueError("--repeats counts the runs of each rank under --replay: add --replay")
     repeats = _given(args.repeats, REPLAY_REPEATS, "--repeats") if args.replay else 0
     run_measured(lengths, source, Path(args.out or "runs/bench/cp.json"), seq_lens=seq_lens,
                  steps=_given(args.steps, preset["steps"], "--steps"), dp=dp, cp=cp,

@@ -3,20 +3,26 @@
 The measured mode runs dp x cp gloo ranks at once. Where ranks outnumber cores (4 ranks on
 the 2-core CI VM) they time-share cores and caches, and a rank's CPU time carries the others'
 interference: there the same rank's work measured 5-15% apart from one step to the next, as
-much as the imbalance being compared. Replay makes each step's plan exactly as the ranks do
-(cp_plan.plan_step on the rows of the whole dp x cp group), then runs each rank's share by
-itself in this process on one thread: its tokens, its segments and a gathered key buffer of
-its block's size, `repeats` times, keeping the fastest (the usual defence against a noisy
-machine: noise only ever adds time). That is the compute one accelerator per rank would
-spend. Left out is communication: the all-gather is a stand-in (the rank's own keys padded to
-the block's Lmax and tiled span times, so every op sees the real shapes and does the real
-work on other values), and the model is not FSDP-wrapped (no parameter gathers).
+much as the imbalance being compared. Replay plans each step as the ranks do (CPSharder, the
+same gather spans), then, per step and layout:
+
+1. capture (untimed): the ranks' forwards run together in threads, each all-gather an
+   in-process exchange of the real keys, and every rank's gathered buffers are kept;
+2. replay (timed): each rank's forward + backward runs alone on one thread, its gathers
+   answered from the captured buffers with its own share in place (so gradients reach its
+   keys, as the reduce-scatter brings them), `repeats` times, the fastest kept: noise only
+   ever adds time.
+
+Every op so sees the live rank's shapes and values (the CPU ops have value-dependent paths:
+the indexer's exact tie handling, the sparse attention's shared-key split). Left out is
+communication: no gloo, and the model is not FSDP-wrapped (no parameter gathers).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 import time
 
 import torch
@@ -25,31 +31,69 @@ import torch.nn.functional as F
 from wanka.bench.cp_worker import FIXED, packed_batch
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch
-from wanka.distributed.context_parallel import CPLayout, shard_rows
+from wanka.distributed.context_parallel import CPLayout, CPSharder, shard_rows
 from wanka.distributed.cp_cost import CostModel
-from wanka.distributed.cp_plan import plan_step, rows_from_doc_ids
+from wanka.distributed.parallel_dims import gather_spans
 from wanka.models.transformer import Transformer
+
+CAPTURE_TIMEOUT_S = 600.0  # a rank that never reaches the next gather: fail, do not hang
+
+
+class _Exchange:
+    """The all-gather of one step's ranks, in process: rank r posts its padded keys, waits for
+    the others, reads its block's in rank order."""
+
+    def __init__(self, ranks: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * ranks
+        self.barrier = threading.Barrier(ranks, timeout=CAPTURE_TIMEOUT_S)
+
+    def all_gather(self, rank: int, padded: torch.Tensor, span: int) -> torch.Tensor:
+        self.slots[rank] = padded
+        self.barrier.wait()
+        first = rank - rank % span  # blocks are aligned runs of span consecutive ranks
+        out = torch.cat(self.slots[first : first + span], dim=1)  # type: ignore[arg-type]
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return out
 
 
 @dataclasses.dataclass
-class StandInLayout(CPLayout):
-    """A rank's CPLayout whose gather needs no peers: this rank's keys, padded to the block's
-    Lmax and tiled over the block's `span` ranks (the gathered buffer's real shape), plus
-    fixed noise of their scale. Without the noise a document prefix read across tiles would
-    hold the same key twice, and the indexer's exact tie handling at the k-th score (slow)
-    would run where real, all-distinct keys never send it. Gradients reach x from every tile,
-    as the reduce-scatter brings this rank its keys' gradients."""
+class CapturingLayout(CPLayout):
+    """Capture pass: gathers through the in-process exchange and keeps what they return."""
 
+    rank: int = 0
     span: int = 1
+    exchange: _Exchange | None = None
+    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        # Every rank calls gather on every layer (a block that needs none included), so the
+        # barrier counts agree; a block that needs none keeps its keys.
+        pad = [0, 0] * (x.dim() - 2) + [0, self.Lmax - x.shape[1]]
+        out = self.exchange.all_gather(self.rank, F.pad(x, pad), self.span)  # type: ignore[union-attr]
+        if not self.needs_gather:
+            return x
+        self.captured.append(out)
+        return out
+
+
+@dataclasses.dataclass
+class ReplayLayout(CPLayout):
+    """Timed pass: the i-th gather returns the captured buffer with this rank's share
+    replaced by x (the same values, now in the autograd graph)."""
+
+    rank: int = 0
+    span: int = 1
+    captured: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    calls: int = 0
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         if not self.needs_gather:
             return x
+        buf = self.captured[self.calls]
+        self.calls += 1
+        off = (self.rank % self.span) * self.Lmax
         pad = [0, 0] * (x.dim() - 2) + [0, self.Lmax - x.shape[1]]
-        tiles = F.pad(x, pad).repeat(1, self.span, *([1] * (x.dim() - 2)))
-        g = torch.Generator(device=x.device).manual_seed(0)
-        noise = torch.randn(tiles.shape, generator=g, dtype=x.dtype, device=x.device)
-        return tiles + noise * x.detach().std()
+        return torch.cat([buf[:, :off], F.pad(x, pad), buf[:, off + self.Lmax :]], dim=1)
 
 
 def keep_freed_memory() -> None:
@@ -72,28 +116,64 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
+def _forward_backward(model: torch.nn.Module, local: Batch, lay: CPLayout) -> None:
+    parts = model(local.tokens, local.positions, local.doc_ids, local.labels, phase="sparse",
+                  layout=lay)  # fmt: skip
+    ((parts.lm_sum + parts.mtp_sum + parts.kl_sum) / local.tokens.numel()).backward()
+
+
+def _capture(model: torch.nn.Module, shares: list, span: int) -> list[list[torch.Tensor]]:
+    """Every rank's gathered buffers of one step: the ranks' forwards in lockstep threads."""
+    exchange = _Exchange(len(shares))
+    fields = [f.name for f in dataclasses.fields(CPLayout)]
+    layouts = [CapturingLayout(**{f: getattr(lay, f) for f in fields}, rank=r, span=span,
+                               exchange=exchange) for r, (_, lay) in enumerate(shares)]  # fmt: skip
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        local = shares[r][0]
+        try:
+            with torch.no_grad():
+                model(local.tokens, local.positions, local.doc_ids, local.labels,
+                      phase="sparse", layout=layouts[r])  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after every thread ends
+            errors.append(e)
+            exchange.barrier.abort()  # the others leave their wait instead of hanging
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(shares))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+    return [lay.captured for lay in layouts]
+
+
 def replay_step(model: torch.nn.Module, cfg: ModelConfig, rows: Batch, dp: int, cp: int,
                 layout: str, cost: CostModel, repeats: int) -> list[dict]:  # fmt: skip
     """One step of `layout`: per rank {rank, tokens, compute_s (fastest of `repeats`),
     repeats_s, wall_s (= compute_s), plan_s, terms, span}, in rank order."""
-    c0 = time.thread_time()
-    per_row = rows_from_doc_ids(rows.doc_ids.numpy())
-    B = len(per_row) // dp
-    plan = plan_step([per_row[g * B : (g + 1) * B] for g in range(dp)], cp, layout, cost)
-    plan_s = time.thread_time() - c0
     sparse = rows.tokens.shape[1] > cfg.index_topk
+    groups = {s: None for s in gather_spans(dp * cp, cp)}  # the live ranks' gather groups
+    sharder = CPSharder(dp, cp, 0, 0, groups, layout, cfg.mtp_depth, sparse, cost)
+    c0 = time.thread_time()
+    plan = sharder.plan(rows)
+    plan_s = time.thread_time() - c0
+    ranks = range(dp * cp)
+    shares = [shard_rows(rows, plan, r // cp, r % cp, sharder.groups, cfg.mtp_depth, sparse)
+              for r in ranks]  # fmt: skip
+    captured = _capture(model, shares, plan.span)
     fields = [f.name for f in dataclasses.fields(CPLayout)]
     out = []
-    for rank in range(dp * cp):
-        local, lay = shard_rows(rows, plan, rank // cp, rank % cp, {plan.span: None},
-                                cfg.mtp_depth, sparse)  # fmt: skip
-        lay = StandInLayout(**{f: getattr(lay, f) for f in fields}, span=plan.span)
+    for rank, (local, lay) in enumerate(shares):
         times = []
         for _ in range(repeats):
+            replay = ReplayLayout(**{f: getattr(lay, f) for f in fields}, rank=rank,
+                                  span=plan.span, captured=captured[rank])  # fmt: skip
             t0 = time.thread_time()
-            parts = model(local.tokens, local.positions, local.doc_ids, local.labels,
-                          phase="sparse", layout=lay)  # fmt: skip
-            ((parts.lm_sum + parts.mtp_sum + parts.kl_sum) / local.tokens.numel()).backward()
+            _forward_backward(model, local, replay)
             times.append(time.thread_time() - t0)
             model.zero_grad(set_to_none=True)
         mine = plan.piece_rank == rank

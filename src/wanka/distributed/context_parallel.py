@@ -163,14 +163,17 @@ class CPSharder:
         limit = max_span or DEFAULT_SPAN_FACTOR * cp
         self.max_span = max([s for s in self.groups if s <= limit] or [cp])
 
-    def __call__(self, rows):
-        """rows: a Batch with the micro-batch rows of every dp group, group g's rows at
-        [g * B, (g + 1) * B) -> (this rank's [1, n] Batch, its CPLayout)."""
+    def plan(self, rows):
+        """The step's plan (cp_plan.CPPlan), the same on every rank of the dp x cp group."""
         from wanka.distributed.cp_plan import plan_step, rows_from_doc_ids
 
         per_row = rows_from_doc_ids(rows.doc_ids.numpy())
         B = len(per_row) // self.dp
         by_group = [per_row[g * B : (g + 1) * B] for g in range(self.dp)]
-        plan = plan_step(by_group, self.cp, self.layout, self.cost, max_span=self.max_span)
-        return shard_rows(rows, plan, self.dp_rank, self.cp_rank, self.groups, self.mtp_depth,
-                          self.sparse)  # fmt: skip
+        return plan_step(by_group, self.cp, self.layout, self.cost, max_span=self.max_span)
+
+    def __call__(self, rows):
+        """rows: a Batch with the micro-batch rows of every dp group, group g's rows at
+        [g * B, (g + 1) * B) -> (this rank's [1, n] Batch, its CPLayout)."""
+        return shard_rows(rows, self.plan(rows), self.dp_rank, self.cp_rank, self.groups,
+                          self.mtp_depth, self.sparse)  # fmt: skip

@@ -21,6 +21,16 @@ class ParallelError(ValueError):
     pass
 
 
+def gather_spans(world_size: int, cp: int) -> list[int]:
+    """The gather blocks a CP plan may use: cp, 2 cp, 4 cp, ... consecutive ranks dividing the
+    world (none without CP)."""
+    spans, span = [], cp
+    while cp > 1 and span <= world_size and world_size % span == 0:
+        spans.append(span)
+        span *= 2
+    return spans
+
+
 @dataclass
 class ParallelDims:
     dp_shard: int
@@ -114,14 +124,13 @@ class ParallelDims:
                                   ("replicate", "dp_mod_ep", "ep"))  # fmt: skip
         # Gather blocks of 2 cp, 4 cp, ... consecutive ranks that a dynamic CP plan may pick
         # for a step (cp_plan); created up front because every rank must create every group.
-        self._gather = {self.cp: batch["cp"].get_group()} if self.cp_enabled else {}
-        span = 2 * self.cp
-        while self.cp_enabled and span <= self.world_size and self.world_size % span == 0:
+        spans = gather_spans(self.world_size, self.cp)
+        self._gather = {self.cp: batch["cp"].get_group()} if spans else {}
+        for span in spans[1:]:
             # Its own group even at span = world: FSDP's collectives use the flat one.
             blocks = flat._unflatten("fsdp", (self.world_size // span, span),
                                      (f"gather{span}_blocks", f"gather{span}"))  # fmt: skip
             self._gather[span] = blocks[f"gather{span}"].get_group()
-            span *= 2
         if self.ep_spans_nodes:  # each EP group is ep / ranks_per_node whole nodes
             L = self.ranks_per_node
             rails = flat._unflatten("fsdp", (self.dp_replicate, self.dp_mod_ep, self.ep // L, L),
