@@ -89,6 +89,13 @@ def test_measured_summary_table_and_plot(tmp_path):
     assert r["vs_contiguous"] == pytest.approx(1.9) and r["vs_head_tail"] == pytest.approx(1.3)
     (t,) = report.targets(runs)
     assert t["met"] == {"vs_contiguous": True, "vs_head_tail": True, "imbalance": True}
+    # What the cost model says these very steps allow, beside the measured ratios.
+    coef = np.array([fitted.linear, fitted.sparse, fitted.dense])
+    busiest = {x: (np.array(s["terms"], dtype=float) @ coef).max(1).sum()
+               for x, s in runs[0]["layouts"].items()}  # fmt: skip
+    assert t["modelled"] == pytest.approx({"vs_contiguous": busiest["contiguous"] / busiest["dynamic"],
+                                           "vs_head_tail": busiest["head_tail"] / busiest["dynamic"]})  # fmt: skip
+    assert "the cost model gives these steps vs contiguous" in report.targets_line([t])
     table = report.markdown_measured(runs)
     assert table.startswith("| seq len | layout | step s | tokens/s | compute-bound tok/s |")
     assert "| 400 | dynamic |" in table and "1.90x | 1.30x |" in table

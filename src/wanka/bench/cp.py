@@ -49,10 +49,10 @@ def notes(nproc: int, cpus: int, cost_given: bool, repeats: int = 0) -> list[str
     if repeats:
         return [
             f"replayed: each of the {nproc} ranks' forward+backward ran alone in one process on "
-            f"one thread, {repeats} times (compute = the fastest), every layout's plan made as "
-            "the ranks make it; the all-gather is a stand-in of the gathered buffer's shape "
-            "(no communication, no FSDP): compute-bound tokens/s = tokens / the busiest rank's "
-            "compute, what one accelerator per rank would see.",
+            f"one thread, {repeats} times (compute = the fastest), with the plan the ranks make "
+            "and its gathers answered by the real keys (captured from all ranks' forwards in "
+            "lockstep, untimed); no communication, no FSDP: compute-bound tokens/s = tokens / "
+            "the busiest rank's compute, what one accelerator per rank would see.",
             "step s and tokens/s are the same compute-bound view (median busiest rank).",
             "imbalance = max / mean rank compute per step; modelled = the same from the fitted "
             "cost model on each rank's pieces.",

@@ -48,12 +48,25 @@ def summarise_layout(steps: list[list[dict]], tokens_per_step: int) -> dict:
 
 
 def add_modelled(runs: list[dict], cost: CostModel) -> None:
-    """Each layout's mean max/mean rank cost as `cost` models its pieces (vs the measured)."""
+    """Each layout's mean max/mean rank cost as `cost` models its pieces (vs the measured),
+    and dynamic's modelled compute-bound ratios on the same steps (`modelled_ratios`): what
+    these steps allow, to tell a draw of easy steps from a shortfall of the plan."""
     coef = np.array([cost.linear, cost.sparse, cost.dense])
     for run in runs:
-        for lay in run["layouts"].values():
+        busiest = {}
+        for name, lay in run["layouts"].items():
             m = np.array(lay["terms"], dtype=np.float64) @ coef
             lay["modelled_mean_imbalance"] = float((m.max(1) / m.mean(1)).mean())
+            busiest[name] = float(m.max(1).sum())
+        run["modelled_ratios"] = (
+            {
+                f"vs_{x}": busiest[x] / busiest["dynamic"]
+                for x in ("contiguous", "head_tail")
+                if x in busiest
+            }  # fmt: skip
+            if busiest.get("dynamic")
+            else {}
+        )
 
 
 def ratios(layouts: dict[str, dict], key: str) -> dict[str, float]:
@@ -83,7 +96,8 @@ def targets(runs: list[dict]) -> list[dict]:
         dyn = run["layouts"].get("dynamic")
         if not r or dyn is None:
             continue
-        row = {"seq_len": run["seq_len"], **r, "imbalance": dyn["mean_imbalance"]}
+        row = {"seq_len": run["seq_len"], **r, "imbalance": dyn["mean_imbalance"],
+               "modelled": run.get("modelled_ratios", {})}  # fmt: skip
         row["met"] = {k: (row[k] <= v if k == "imbalance" else row[k] >= v)
                       for k, v in TARGETS.items() if k in row}  # fmt: skip
         out.append(row)
@@ -112,9 +126,12 @@ def targets_line(rows: list[dict]) -> str:
     for t in rows:
         parts = [f"{k.replace('_', ' ')} {t[k]:.3f} ({'<=' if k == 'imbalance' else '>='} "
                  f"{v}: {'met' if t['met'][k] else 'MISSED'})" for k, v in TARGETS.items()]  # fmt: skip
-        out.append(
-            f"targets at {t['seq_len']} tokens (dynamic, compute-bound): " + ", ".join(parts)
-        )
+        line = f"targets at {t['seq_len']} tokens (dynamic, compute-bound): " + ", ".join(parts)
+        if t.get("modelled"):
+            line += "; the cost model gives these steps " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.3f}" for k, v in t["modelled"].items()
+            )
+        out.append(line)
     return "\n".join(out)
 
 
