@@ -41,8 +41,8 @@ def test_replayed_ranks_compute_the_unsharded_loss(layout):
     with torch.no_grad():
         ref = model(batch.tokens, batch.positions, batch.doc_ids, batch.labels, phase="sparse")
     assert len(timed) == 4 * 2 and [r["rank"] for r in recs] == [0, 1, 2, 3]
-    first = timed[::2]  # each rank's first repeat
-    assert timed[1::2] == first  # a repeat computes the same thing again
+    first = timed[:4]  # each rank's first repeat (repeats come rank by rank, one after another)
+    assert timed[4:] == first  # a repeat computes the same thing again
     assert sum(x[0] for x in first) == pytest.approx(float(ref.lm_sum), rel=1e-5)
     assert sum(x[1] for x in first) == pytest.approx(float(ref.mtp_sum), rel=1e-5)
 
@@ -93,3 +93,27 @@ def test_replay_flag_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
     assert not out.exists()
+
+
+def test_timed_runs_interleave_layouts_rank_by_rank(monkeypatch):
+    """A slow spell of a shared machine must land on every layout alike: the timed runs go
+    rank by rank with all layouts in turn, repeat after repeat (not one layout's block)."""
+    from wanka.bench import cp_replay
+
+    cfg = ModelConfig(**TINY, mtp_depth=0)
+    model = build_model(cfg)
+    calls = []
+    real = cp_replay._forward_backward
+    monkeypatch.setattr(cp_replay, "_forward_backward",
+                        lambda m, local, lay: (calls.append((lay.rank, id(lay.captured))),
+                                               real(m, local, lay)))  # fmt: skip
+    layouts = ["contiguous", "head_tail", "dynamic"]
+    got = cp_replay.replay_steps(model, cfg, packed_batch([[100, 28], [10, 7, 111]], 256, 0),
+                                 2, 2, layouts, CostModel(topk=16), repeats=2)  # fmt: skip
+    assert list(got) == layouts and len(calls) == 2 * 4 * 3
+    for i in range(0, len(calls), 3):
+        ranks, lays = zip(*calls[i : i + 3])
+        assert len(set(ranks)) == 1 and len(set(lays)) == 3  # one rank, every layout
+    assert [c[0] for c in calls[::3]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    for recs in got.values():
+        assert all(len(r["repeats_s"]) == 2 for r in recs)

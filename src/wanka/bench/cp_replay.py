@@ -151,46 +151,67 @@ def _capture(model: torch.nn.Module, shares: list, span: int) -> list[list[torch
     return [lay.captured for lay in layouts]
 
 
-def replay_step(model: torch.nn.Module, cfg: ModelConfig, rows: Batch, dp: int, cp: int,
-                layout: str, cost: CostModel, repeats: int) -> list[dict]:  # fmt: skip
-    """One step of `layout`: per rank {rank, tokens, compute_s (fastest of `repeats`),
-    repeats_s, wall_s (= compute_s), plan_s, terms, span}, in rank order."""
+def replay_steps(model: torch.nn.Module, cfg: ModelConfig, rows: Batch, dp: int, cp: int,
+                 layouts: list[str], cost: CostModel, repeats: int) -> dict[str, list[dict]]:  # fmt: skip
+    """One step under each layout -> {layout: per rank {rank, tokens, compute_s (fastest of
+    `repeats`), repeats_s, wall_s (= compute_s), plan_s, terms, span}, in rank order}.
+
+    The timed runs interleave: repeat by repeat, rank by rank, every layout in turn (rotated),
+    so a slow spell of the machine (tens of seconds on a shared VM) lands on all layouts
+    alike instead of on one layout's block of runs, and a rank's repeats are spread in time."""
     sparse = rows.tokens.shape[1] > cfg.index_topk
     groups = {s: None for s in gather_spans(dp * cp, cp)}  # the live ranks' gather groups
-    sharder = CPSharder(dp, cp, 0, 0, groups, layout, cfg.mtp_depth, sparse, cost)
-    c0 = time.thread_time()
-    plan = sharder.plan(rows)
-    plan_s = time.thread_time() - c0
-    ranks = range(dp * cp)
-    shares = [shard_rows(rows, plan, r // cp, r % cp, sharder.groups, cfg.mtp_depth, sparse)
-              for r in ranks]  # fmt: skip
-    captured = _capture(model, shares, plan.span)
     fields = [f.name for f in dataclasses.fields(CPLayout)]
-    out = []
-    for rank, (local, lay) in enumerate(shares):
-        times = []
-        for _ in range(repeats):
-            replay = ReplayLayout(**{f: getattr(lay, f) for f in fields}, rank=rank,
-                                  span=plan.span, captured=captured[rank])  # fmt: skip
-            t0 = time.thread_time()
-            _forward_backward(model, local, replay)
-            times.append(time.thread_time() - t0)
-            model.zero_grad(set_to_none=True)
-        mine = plan.piece_rank == rank
-        terms = CostModel(topk=cfg.index_topk).terms(plan.piece_start[mine], plan.piece_end[mine])
-        out.append({"rank": rank, "tokens": int(local.tokens.numel()), "compute_s": min(times),
-                    "wall_s": min(times), "repeats_s": times, "plan_s": plan_s,
-                    "terms": [int(t.sum()) for t in terms], "span": plan.span})  # fmt: skip
+    prepared = {}
+    for layout in layouts:
+        sharder = CPSharder(dp, cp, 0, 0, groups, layout, cfg.mtp_depth, sparse, cost)
+        c0 = time.thread_time()
+        plan = sharder.plan(rows)
+        plan_s = time.thread_time() - c0
+        shares = [shard_rows(rows, plan, r // cp, r % cp, sharder.groups, cfg.mtp_depth, sparse)
+                  for r in range(dp * cp)]  # fmt: skip
+        prepared[layout] = (plan, plan_s, shares, _capture(model, shares, plan.span))
+    times: dict[tuple[str, int], list[float]] = {}
+    for rep in range(repeats):
+        for rank in range(dp * cp):
+            shift = (rank + rep) % len(layouts)
+            for layout in layouts[shift:] + layouts[:shift]:
+                plan, _, shares, captured = prepared[layout]
+                local, lay = shares[rank]
+                replay = ReplayLayout(**{f: getattr(lay, f) for f in fields}, rank=rank,
+                                      span=plan.span, captured=captured[rank])  # fmt: skip
+                t0 = time.thread_time()
+                _forward_backward(model, local, replay)
+                times.setdefault((layout, rank), []).append(time.thread_time() - t0)
+                model.zero_grad(set_to_none=True)
+    out: dict[str, list[dict]] = {}
+    for layout, (plan, plan_s, shares, _) in prepared.items():
+        out[layout] = []
+        for rank, (local, _) in enumerate(shares):
+            t = times[(layout, rank)]
+            mine = plan.piece_rank == rank
+            terms = CostModel(topk=cfg.index_topk).terms(plan.piece_start[mine],
+                                                         plan.piece_end[mine])  # fmt: skip
+            out[layout].append({"rank": rank, "tokens": int(local.tokens.numel()),
+                                "compute_s": min(t), "wall_s": min(t), "repeats_s": t,
+                                "plan_s": plan_s, "terms": [int(x.sum()) for x in terms],
+                                "span": plan.span})  # fmt: skip
     return out
+
+
+def replay_step(model: torch.nn.Module, cfg: ModelConfig, rows: Batch, dp: int, cp: int,
+                layout: str, cost: CostModel, repeats: int) -> list[dict]:  # fmt: skip
+    """One step of one layout (replay_steps with a single layout)."""
+    return replay_steps(model, cfg, rows, dp, cp, [layout], cost, repeats)[layout]
 
 
 def _run(model, cfg, batches: list[Batch], dp: int, cp: int, layouts: list[str],
          cost: CostModel, repeats: int) -> dict[str, list[list[dict]]]:  # fmt: skip
-    """Every batch under every layout, in turn step by step (as the measured mode)."""
+    """Every batch under every layout (interleaved within the step, replay_steps)."""
     got: dict[str, list[list[dict]]] = {x: [] for x in layouts}
     for b in batches:
-        for layout in layouts:
-            got[layout].append(replay_step(model, cfg, b, dp, cp, layout, cost, repeats))
+        for layout, records in replay_steps(model, cfg, b, dp, cp, layouts, cost, repeats).items():
+            got[layout].append(records)
     return got
 
 
@@ -207,8 +228,7 @@ def run_replay(spec: dict, repeats: int) -> list[dict]:
     for seq_len, steps in zip(spec["seq_lens"], spec["rows"]):
         batches = [packed_batch(r, cfg.vocab_size, spec["seed"] + i) for i, r in enumerate(steps)]
         plan_cost = given or CostModel(topk=cfg.index_topk)
-        for layout in layouts:  # warm-up: allocator, first-call paths of every op
-            replay_step(model, cfg, batches[0], dp, cp, layout, plan_cost, 1)
+        replay_steps(model, cfg, batches[0], dp, cp, layouts, plan_cost, 1)  # warm-up
         fixed = [x for x in layouts if x in FIXED]
         calibration = _run(model, cfg, batches[1 : 1 + calib], dp, cp, fixed, plan_cost, repeats)
         if given is None and calib > 0:
