@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from wanka.bench.cp_replay import build_model, replay_step
-from wanka.bench.cp_worker import packed_batch
+from wanka.bench.cp_replay import replay_step
+from wanka.bench.cp_worker import build_model, packed_batch
 from wanka.cli import main
 from wanka.config.schema import ModelConfig
 from wanka.distributed.cp_cost import CostModel

@@ -26,15 +26,13 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
 
-from wanka.bench.cp_worker import FIXED, packed_batch
+from wanka.bench.cp_worker import FIXED, build_model, packed_batch
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch
-from wanka.distributed.context_parallel import CPLayout, CPSharder, shard_rows
+from wanka.distributed.context_parallel import CPLayout, CPSharder, pad_tokens, shard_rows
 from wanka.distributed.cp_cost import CostModel
 from wanka.distributed.parallel_dims import gather_spans
-from wanka.models.transformer import Transformer
 
 CAPTURE_TIMEOUT_S = 600.0  # a rank that never reaches the next gather: fail, do not hang
 
@@ -68,8 +66,7 @@ class CapturingLayout(CPLayout):
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         # Every rank calls gather on every layer (a block that needs none included), so the
         # barrier counts agree; a block that needs none keeps its keys.
-        pad = [0, 0] * (x.dim() - 2) + [0, self.Lmax - x.shape[1]]
-        out = self.exchange.all_gather(self.rank, F.pad(x, pad), self.span)  # type: ignore[union-attr]
+        out = self.exchange.all_gather(self.rank, pad_tokens(x, self.Lmax), self.span)  # type: ignore[union-attr]
         if not self.needs_gather:
             return x
         self.captured.append(out)
@@ -92,8 +89,8 @@ class ReplayLayout(CPLayout):
         buf = self.captured[self.calls]
         self.calls += 1
         off = (self.rank % self.span) * self.Lmax
-        pad = [0, 0] * (x.dim() - 2) + [0, self.Lmax - x.shape[1]]
-        return torch.cat([buf[:, :off], F.pad(x, pad), buf[:, off + self.Lmax :]], dim=1)
+        return torch.cat([buf[:, :off], pad_tokens(x, self.Lmax), buf[:, off + self.Lmax :]],
+                         dim=1)  # fmt: skip
 
 
 def keep_freed_memory() -> None:
@@ -106,14 +103,6 @@ def keep_freed_memory() -> None:
         return
     libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
-
-
-def build_model(cfg: ModelConfig) -> torch.nn.Module:
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.init_weights(0)
-    return model
 
 
 def _forward_backward(model: torch.nn.Module, local: Batch, lay: CPLayout) -> None:

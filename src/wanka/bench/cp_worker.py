@@ -54,12 +54,13 @@ def packed_batch(rows: list[list[int]], vocab: int, seed: int) -> Batch:
     return Batch(tokens, labels, positions, frag)
 
 
-def _build(cfg: ModelConfig, dims: ParallelDims) -> torch.nn.Module:
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The bench's model on CPU, built on the meta device and initialised (seed 0)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    return parallelize(model, dims)
+    return model
 
 
 def _rank_terms(rows: Batch, dp: int, cp: int, layout: str, plan_cost: CostModel,
@@ -83,7 +84,7 @@ class _Ranks:
         self.dims.build_meshes("cpu")
         self.dp_rank = self.dims.mesh("dp").get_local_rank()
         self.cp_rank = self.dims.mesh("cp").get_local_rank()
-        self.model = _build(cfg, self.dims)
+        self.model = parallelize(build_model(cfg), self.dims)
 
     def step(self, rows: Batch, layout: str, plan_cost: CostModel) -> dict:
         sharder = CPSharder(self.dp, self.cp, self.dp_rank, self.cp_rank,

@@ -29,6 +29,11 @@ import torch.nn.functional as F
 from wanka.distributed.cp_dynamic import DEFAULT_SPAN_FACTOR
 
 
+def pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, n, ...] -> [B, length, ...], zeros after the n tokens (a gather's equal shares)."""
+    return F.pad(x, [0, 0] * (x.dim() - 2) + [0, length - x.shape[1]])
+
+
 class _GatherPadded(torch.autograd.Function):
     """[B, n, ...] -> [B, cp * Lmax, ...]; backward reduce-scatters the gradient (sum)."""
 
@@ -36,8 +41,7 @@ class _GatherPadded(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, Lmax: int) -> torch.Tensor:
         n, cp = x.shape[1], dist.get_world_size(group)
         ctx.group, ctx.n = group, n
-        pad = [0, 0] * (x.dim() - 2) + [0, Lmax - n]
-        local = F.pad(x, pad).movedim(1, 0).contiguous()  # [Lmax, B, ...]: gather along dim 0
+        local = pad_tokens(x, Lmax).movedim(1, 0).contiguous()  # [Lmax, B, ...]: gather along dim 0
         out = local.new_empty((cp * Lmax, *local.shape[1:]))
         dist.all_gather_single(out, local, group=group)
         return out.movedim(0, 1)
