@@ -29,6 +29,7 @@ def test_lengths_file_skips_blanks_and_comments(tmp_path):
         ("10\n20\n1.5\n", "line 3: '1.5' is not an integer"),
         ("0\n", "line 1: length 0 must be positive"),
         ("5\n-3\n", "line 2: length -3 must be positive"),
+        ("5\n99999999999999999999\n", "line 2: length 99999999999999999999 is too large"),
         ("# only a comment\n\n", "no document lengths"),
     ],
 )

@@ -120,9 +120,22 @@ def test_head_tail_is_the_textbook_zigzag_per_document() -> None:
     rows = [[[16, 10, 3]]]
     plan = plan_step(rows, 2, "head_tail")
     # 16 -> chunks of 4: rank 0 gets chunks 0 and 3, rank 1 chunks 1 + 2 (merged).
-    # 10 -> bounds 0 2 5 7 10; 3 -> 0 0 1 2 3 (chunk 0 empty, dropped).
-    assert sorted(_pieces(plan, 0, 0)) == [(0, 0, 4), (0, 12, 16), (1, 0, 2), (1, 7, 10), (2, 2, 3)]
-    assert sorted(_pieces(plan, 0, 1)) == [(0, 4, 12), (1, 2, 7), (2, 0, 2)]
+    # 10 -> 2 spare tokens to chunks 0, 1: bounds 0 3 6 8 10. 3 -> its spare tokens go on
+    # from chunk 2 (2, 3, then 0): sizes 1 0 1 1, bounds 0 1 1 2 3 (chunk 1 empty, dropped).
+    assert sorted(_pieces(plan, 0, 0)) == [(0, 0, 4), (0, 12, 16), (1, 0, 3), (1, 8, 10), (2, 0, 1), (2, 2, 3)]
+    assert sorted(_pieces(plan, 0, 1)) == [(0, 4, 12), (1, 3, 8), (2, 1, 2)]
+    check_plan(rows, plan)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 7])
+def test_head_tail_spreads_short_documents_spare_tokens(cp: int, length: int) -> None:
+    # Documents shorter than (or not a multiple of) 2cp: their spare tokens must not all land
+    # on the same rank, or head_tail looks worse than it is on a corpus of short documents.
+    rows = [[[length] * (8 * cp)], [[length] * (8 * cp)]]
+    plan = plan_step(rows, cp, "head_tail")
+    tokens = plan.tokens_per_rank()
+    assert tokens.max() - tokens.min() <= 2, tokens
     check_plan(rows, plan)
 
 

@@ -72,6 +72,9 @@ def notes(nproc: int, cpus: int, cost_given: bool, repeats: int = 0) -> list[str
     ]
 
 
+MAX_DOC_TOKENS = 2**40  # far past any corpus; keeps the lengths in int64 arithmetic
+
+
 def read_lengths(path: Path) -> np.ndarray:
     """One positive integer per line; blank lines and # comments are skipped. A bad line is
     a ValueError naming the file and line (the CLI prints it as one line, exit 2)."""
@@ -90,6 +93,9 @@ def read_lengths(path: Path) -> np.ndarray:
                                  "(one document length in tokens per line)") from None  # fmt: skip
             if value <= 0:
                 raise ValueError(f"--lengths {path} line {n}: length {value} must be positive")
+            if value > MAX_DOC_TOKENS:
+                raise ValueError(f"--lengths {path} line {n}: length {value} is too large "
+                                 f"(at most {MAX_DOC_TOKENS} tokens per document)")  # fmt: skip
             out.append(value)
     if not out:
         raise ValueError(f"--lengths {path}: no document lengths in the file")

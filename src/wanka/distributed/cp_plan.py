@@ -194,8 +194,15 @@ def _contiguous(docs: _Docs, cp: int) -> np.ndarray:
 
 
 def _head_tail(docs: _Docs, cp: int) -> np.ndarray:
+    # Chunks as equal as possible; a document's L mod 2cp spare tokens go to the chunks after
+    # the previous document's, round the 2cp positions, so short documents do not pile their
+    # spare tokens onto one rank (1-token documents would otherwise all land on rank 0).
     i = np.arange(2 * cp + 1)
-    bounds = i[None, :] * docs.lengths[:, None] // (2 * cp)  # as equal as possible
+    spare = docs.lengths % (2 * cp)
+    first = (np.cumsum(spare) - spare) % (2 * cp)
+    extra = (i[None, :-1] - first[:, None]) % (2 * cp) < spare[:, None]
+    sizes = docs.lengths[:, None] // (2 * cp) + extra
+    bounds = np.concatenate([np.zeros((len(sizes), 1), np.int64), np.cumsum(sizes, 1)], 1)
     cp_rank = np.where(i[:-1] < cp, i[:-1], 2 * cp - 1 - i[:-1])
     rank = docs.row_dp[docs.row][:, None] * cp + cp_rank[None, :]
     d = np.broadcast_to(np.arange(len(docs.lengths))[:, None], rank.shape)
