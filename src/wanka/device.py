@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 
@@ -74,3 +75,17 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     if device.type == "cpu":
         return None
     return getattr(torch, device.type).max_memory_allocated(device)
+
+
+def keep_freed_host_memory() -> None:
+    """glibc returns large freed blocks to the kernel and maps them again on the next step, so
+    a CPU step pays page faults its work does not need (kernel time that also varies run to
+    run on a shared VM). Fixed thresholds keep freed blocks in the heap, as a long-running
+    process reaches anyway; blocks above 32 MiB (glibc's ceiling) are still mapped per use.
+    A no-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: never trim the heap
+    except (OSError, AttributeError):
+        pass

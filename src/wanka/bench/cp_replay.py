@@ -20,7 +20,6 @@ communication: no gloo, and the model is not FSDP-wrapped (no parameter gathers)
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 from wanka.bench.cp_worker import FIXED, build_model, packed_batch
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch
+from wanka.device import keep_freed_host_memory
 from wanka.distributed.context_parallel import CPLayout, CPSharder, pad_tokens, shard_rows
 from wanka.distributed.cp_cost import CostModel
 from wanka.distributed.parallel_dims import gather_spans
@@ -91,18 +91,6 @@ class ReplayLayout(CPLayout):
         off = (self.rank % self.span) * self.Lmax
         return torch.cat([buf[:, :off], pad_tokens(x, self.Lmax), buf[:, off + self.Lmax :]],
                          dim=1)  # fmt: skip
-
-
-def keep_freed_memory() -> None:
-    """glibc returns large freed blocks to the kernel and the next step faults them back in:
-    kernel time that lands in the rank's CPU time and varies run to run on a VM. Raise the
-    thresholds (blocks above 32 MiB, glibc's ceiling, are still mapped per use)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-    libc.mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD
 
 
 def _forward_backward(model: torch.nn.Module, local: Batch, lay: CPLayout) -> None:
@@ -208,7 +196,7 @@ def run_replay(spec: dict, repeats: int) -> list[dict]:
     """The measured mode's spec (bench/cp.py run_measured) replayed in this process -> the
     records spawn_ranks would return: per seq len {per_step, calibration, plan_cost}."""
     torch.set_num_threads(1)  # one core's worth of work per rank, as in the measured mode
-    keep_freed_memory()
+    keep_freed_host_memory()  # page faults were ~18% of a replayed step's CPU time
     cfg = ModelConfig(**spec["model"])
     model = build_model(cfg)
     dp, cp, calib, layouts = spec["dp"], spec["cp"], spec["calib"], spec["layouts"]
