@@ -176,7 +176,7 @@ def test_sweep_removes_only_stale_folders(tmp_path):
     live_run = tmp_path / "live"
     with RunLock(live_run):
         stale = _folder(shm, "gone-1", tmp_path / "gone", idle_h=30)
-        orphan = _folder(shm, "nobody-2", None, idle_h=30)  # no owner record: age alone
+        orphan = _folder(shm, "nobody-2", None, idle_h=30)  # no owner record: not wanka's
         live = _folder(shm, "live-3", live_run, idle_h=30)  # its run dir is locked: never
         current = _folder(shm, "cur-4", tmp_path / "cur", idle_h=30)
         fresh = _folder(shm, "fresh-5", tmp_path / "fresh", idle_h=1)
@@ -189,14 +189,31 @@ def test_sweep_removes_only_stale_folders(tmp_path):
             "idle",
             "stale",
             "live",
-            "stale",
+            "other",
         ]
         assert sweep_snapshots(shm, 0, "cur-4") == []  # 0: never
         removed = sweep_snapshots(shm, 24, current="cur-4")
-        assert sorted(f.path.name for f in removed) == ["gone-1", "nobody-2"]
-        assert not stale.exists() and not orphan.exists()
-        assert live.exists() and current.exists() and fresh.exists()
+        assert sorted(f.path.name for f in removed) == ["gone-1"]
+        assert not stale.exists()
+        assert live.exists() and current.exists() and fresh.exists() and orphan.exists()
     assert sweep_snapshots(tmp_path / "absent", 24) == []
+
+
+def test_sweep_leaves_what_is_not_a_wanka_snapshot_folder(tmp_path):
+    """resilience.snapshot_dir pointed at a folder of other things (runs/, a home folder): old
+    folders there without wanka's owner record, or with one naming another folder, stay."""
+    shm = tmp_path / "runs"
+    thesis = shm / "thesis" / "chapters"
+    thesis.mkdir(parents=True)
+    (thesis / "ch1.tex").write_text("years of work")
+    copied = _folder(shm, "old_run", tmp_path / "old", idle_h=48)
+    os.rename(copied, shm / "renamed")  # its record names the job "old_run", not this folder
+    t = time.time() - 48 * 3600
+    for p in [*sorted(shm.rglob("*"))]:
+        os.utime(p, (t, t))
+    assert sweep_snapshots(shm, 24) == []
+    assert (thesis / "ch1.tex").read_text() == "years of work" and (shm / "renamed").is_dir()
+    assert {f.state(24) for f in snapshot_folders(shm)} == {"other"}
 
 
 def test_finished_job_leaves_no_snapshot_folder(tmp_path):
@@ -242,7 +259,8 @@ def test_the_sweep_reaches_into_each_cluster_nodes_own_memory(tmp_path):
         d = tmp_path / "n1" / "shm" / "wanka" / job / "n1" / "rank1"
         d.mkdir(parents=True)
         (d / "slot0.bin").write_bytes(b"x" * 10)
-        for p in [d / "slot0.bin", d, d.parent, d.parent.parent]:
+        write_owner(d.parent.parent.parent, job, tmp_path / "run")  # as the ranks' store does
+        for p in [d / "slot0.bin", d.parent.parent / OWNER, d, d.parent, d.parent.parent]:
             os.utime(p, (old, old))
     said = sweep_node_snapshots(st, "/dev/shm/wanka", 1.0, "current")
     assert len(said) == 1 and "node n1" in said[0] and "stale" in said[0]

@@ -109,7 +109,8 @@ def _clean_one(a: argparse.Namespace, root: str, label: str, max_age: float) -> 
     if not (a.snapshots or a.all):
         print("`wanka clean --snapshots` removes the stale ones, `--all` every one not live")
         return 0
-    doomed = [f for f in folders if f.state(max_age) == "stale" or (a.all and not f.live)]
+    doomed = [f for f in folders
+              if f.state(max_age) == "stale" or (a.all and f.state(max_age) == "idle")]  # fmt: skip
     freed = [f for f in doomed if remove_folder(f)]
     for f in freed:
         print(f"removed {f.path} ({human_bytes(f.bytes)})")

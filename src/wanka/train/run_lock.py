@@ -20,7 +20,8 @@ flags is refused.
 Snapshot folders (SNAP_DIR/<job>/) carry an owner record, job.json, naming their run directory:
 a folder is live while that run directory is locked by a live job. `sweep_snapshots` removes the
 folders idle longer than resilience.snapshot_max_age_h at job start; `wanka clean` lists and
-removes them by hand. No torch here: `wanka nodes` and `wanka clean` stay quick.
+removes them by hand. A folder without an owner record is not wanka's (snapshot_dir may point
+at a folder holding other things): it is listed, never removed. No torch here: `wanka nodes` and `wanka clean` stay quick.
 """
 
 from __future__ import annotations
@@ -305,6 +306,8 @@ class SnapshotFolder:
     def state(self, max_age_h: float) -> str:
         if self.live:
             return "live"
+        if self.run_dir is None:  # not made by wanka (or not recognisably): never removed
+            return "other"
         return "stale" if max_age_h > 0 and self.idle_s > max_age_h * 3600 else "idle"
 
 
@@ -353,7 +356,8 @@ def snapshot_folders(snapshot_dir: Path | str) -> list[SnapshotFolder]:
         return []
     for d in entries:
         try:
-            run_dir = json.loads((d / OWNER).read_text())["run_dir"]
+            record = json.loads((d / OWNER).read_text())
+            run_dir = str(record["run_dir"]) if record["job"] == d.name else None
         except (OSError, ValueError, KeyError, TypeError):
             run_dir = None
         size, newest = _usage(d)
@@ -403,7 +407,8 @@ def folder_lines(folders: list[SnapshotFolder], max_age_h: float) -> list[str]:
     lines = [f"{'job':28s} {'size':>10s} {'idle':>8s}  {'state':5s}  run dir"]
     for f in folders:
         lines.append(f"{f.path.name:28s} {human_bytes(f.bytes):>10s} {human_age(f.idle_s):>8s}  "
-                     f"{f.state(max_age_h):5s}  {f.run_dir or '- (no owner record)'}")  # fmt: skip
+                     f"{f.state(max_age_h):5s}  "
+                     f"{f.run_dir or '- (no wanka owner record: left alone)'}")  # fmt: skip
     return lines
 
 
