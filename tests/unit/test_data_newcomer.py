@@ -71,6 +71,30 @@ def test_existing_out_with_other_options_is_refused_then_forced(tmp_path, capsys
     assert read_meta(out)["splits"]["train"]["num_docs"] + read_meta(out)["splits"]["val"]["num_docs"] == 31  # fmt: skip
 
 
+def test_force_never_loses_the_old_dataset_or_other_files(tmp_path, capsys):
+    docs, out = _docs(tmp_path), tmp_path / "ds"
+    assert main_prepare([str(docs)], str(out), None, 0.1, 0) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # A rebuild that fails (its one document held out) keeps the old dataset as it was.
+    one = tmp_path / "one.txt"
+    one.write_text("a single document " * 100)
+    assert main_prepare([str(one)], str(out), None, 0.5, 0, force=True) == 2
+    assert "train split is empty" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "ds", "one.txt"]  # no temp
+    # Files of the user's inside --out are never deleted by a rebuild: refused, named.
+    (out / "raw").mkdir()
+    (out / "raw" / "notes.txt").write_text("mine")
+    assert main_prepare([str(docs)], str(out), None, 0.2, 0, force=True) == 2
+    err = capsys.readouterr().err.strip()
+    assert "also holds raw" in err and len(err.splitlines()) == 1
+    assert (out / "raw" / "notes.txt").read_text() == "mine"
+    (out / "raw" / "notes.txt").unlink()
+    (out / "raw").rmdir()
+    assert main_prepare([str(docs)], str(out), None, 0.2, 0, force=True) == 0
+    assert read_meta(out)["val_fraction"] == 0.2
+
+
 def test_prepared_dataset_is_readable_by_the_group(tmp_path):
     old = os.umask(0o022)
     try:

@@ -26,6 +26,7 @@ from wanka.data.tokenizer import Tokenizer, load_tokenizer
 FORMAT = "wanka-tokens"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
+DATASET_FILES = {"meta.json", *(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx"))}
 _ENCODE_CHUNK = 256  # documents per encode_batch call: parallel, yet bounded memory
 # Held-out text the split keeps at least (a tenth of the corpus at most): enough for 16
 # windows of 2048 bytes, so the default val fraction still evaluates a small corpus.
@@ -120,14 +121,20 @@ def prepare_documents(
     seed: int = 0,
     sources: list | None = None,
     min_val_chars: int = MIN_VAL_CHARS,
+    replace: bool = False,
 ) -> Path:
-    """Tokenize ``docs`` into ``out_dir`` atomically; a complete existing ``out_dir`` is kept.
+    """Tokenize ``docs`` into ``out_dir`` atomically; a complete existing ``out_dir`` is kept,
+    or with ``replace`` swapped for the new build once that has succeeded.
 
     Everything is written into a temp dir beside ``out_dir`` and renamed into place, so
     concurrent preparers (e.g. every rank of a job) never observe a half-written dataset.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if replace and is_prepared(out_dir):
+        if others := sorted(p.name for p in out_dir.iterdir() if p.name not in DATASET_FILES):
+            raise ValueError(f"--out {out_dir} also holds {', '.join(others[:3])}, which a "
+                             "rebuild would delete: move them out of it, or choose another --out")  # fmt: skip
+    elif out_dir.exists():
         if is_prepared(out_dir):
             _check_tokenizer(out_dir, tokenizer)
             return out_dir
@@ -163,11 +170,17 @@ def prepare_documents(
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _share_with_group(tmp)
-        try:
-            os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir
-        except OSError:
-            if not is_prepared(out_dir):  # lost a race to an identical preparer: fine
-                raise
+        if replace and out_dir.exists():  # the old dataset goes only once the new one is built
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rename(out_dir, old / out_dir.name)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir
+            except OSError:
+                if not is_prepared(out_dir):  # lost a race to an identical preparer: fine
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return out_dir
@@ -295,13 +308,15 @@ def main_prepare(
             if not force:
                 raise ValueError(f"{out_dir} was prepared with other {diff}: pass --force to "
                                  "rebuild it, or choose another --out")  # fmt: skip
-            shutil.rmtree(out_dir)
-            existed = False
+            existed, replace = False, True
+        else:
+            replace = False
         t0 = time.perf_counter()
         if not existed:
             docs = builtin_documents() if "builtin" in inputs else []
             docs += read_input_files(files)
-            prepare_documents(docs, out_dir, tok, val_fraction, seed, sources=sources)
+            prepare_documents(docs, out_dir, tok, val_fraction, seed, sources=sources,
+                              replace=replace)  # fmt: skip
         s = read_meta(out_dir)["splits"]
     except (ValueError, ImportError, OSError) as e:
         print(f"wanka data prepare: {e}", file=sys.stderr)
