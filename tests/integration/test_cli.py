@@ -132,6 +132,7 @@ def test_resume_guards(tmp_path):
     base = ["train", "--set", "train.steps=2", "--set", "data.val_batches=1", "--set", "parallel.ep=1",
             "--set", "run.tensorboard=false", "--set", f'run.dir="{tmp_path}"']  # fmt: skip
     assert wanka(*base).returncode == 0
+    saved = (tmp_path / "config.toml").read_text()
     for extra, fragment in [
         # (A smaller model, whose weights DCP would load as a subset, is caught by the same
         # config comparison as index_topk below.)
@@ -142,6 +143,8 @@ def test_resume_guards(tmp_path):
         r = wanka(*base, *extra)
         assert r.returncode == 2 and fragment in r.stderr, r.stderr[-2000:]
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        # A refused resume leaves the run's config as it was (generate/export read it).
+        assert (tmp_path / "config.toml").read_text() == saved
     # A resumed run may change optimizer settings on purpose: the config wins over the checkpoint.
     r = wanka(*base[:2], "train.steps=3", *base[3:], "--set", "train.lr=1e-5", "--set", "train.warmup_steps=0",
               "--set", "train.min_lr_ratio=1.0")  # fmt: skip

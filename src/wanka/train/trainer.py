@@ -101,7 +101,6 @@ def setup(cfg: JobConfig, marks: list[tuple[str, float]] | None = None) -> Job:
     marks.append(("meshes", time.time()))
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
 
     torch.manual_seed(cfg.train.seed)
     data_path = _dataset_path(cfg, rank)
@@ -408,6 +407,10 @@ def _run(cfg: JobConfig) -> dict:
     if start > cfg.train.steps:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
+    if job.is_main:  # only now: a refused resume must leave the run's config as it was
+        tmp = job.run_dir / f".config.toml.tmp{os.getpid()}"
+        tmp.write_text(dump_toml(cfg))
+        os.replace(tmp, job.run_dir / "config.toml")
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
     for _, var in LAUNCH_MARKS:  # this launch's: not for a process a rank may start
