@@ -14,7 +14,7 @@ from wanka.bench.cp_cli import add_bench_cp_parser
 from wanka.bench.decode import add_bench_decode_parser
 from wanka.bench.post import add_bench_post_parser
 from wanka.cluster.cli import add_bench_net_parser, add_cluster_parser
-from wanka.distributed.launch import RDZV_FLAGS
+from wanka.distributed.launch import RDZV_FLAGS, rdzv_flag_type
 from wanka.infer.cli import add_generate_parser
 from wanka.interop.cli import add_interop_parsers
 from wanka.lab.cli import add_lab_parser
@@ -208,7 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag in RDZV_FLAGS:
         t.add_argument(
-            "--" + flag.replace("_", "-"), dest=flag, default=None, help="passed to torchrun"
+            "--" + flag.replace("_", "-"),
+            dest=flag,
+            default=None,
+            type=rdzv_flag_type(flag),
+            help="passed to torchrun",
         )
     t.set_defaults(fn=_train)
     add_cluster_parser(sub)

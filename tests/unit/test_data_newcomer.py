@@ -114,3 +114,21 @@ def test_fix_hint_never_points_at_the_raw_input(tmp_path):
         TokenDataset(raw, "train")
     assert f"--out {tmp_path / 'mine-prepared'}" in str(e.value)
     assert f"--out {raw} " not in str(e.value) and not str(e.value).endswith(f"--out {raw}`")
+
+
+def test_jsonl_surrogates_bom_and_a_non_object_meta_are_one_line(tmp_path, capsys):
+    surrogate = tmp_path / "s.jsonl"
+    surrogate.write_text('{"text": "good"}\n{"text": "\\udc80 bad"}\n')
+    assert main_prepare([str(surrogate)], str(tmp_path / "o1"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err.strip()
+    assert "s.jsonl:2" in err and "unpaired surrogate" in err and len(err.splitlines()) == 1
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark, as Windows editors write: not text
+    bom.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes("\ufeffplain".encode())
+    assert main_prepare([str(bom), str(txt)], str(tmp_path / "o2"), None, 0.0, 0) == 0
+    data = TokenDataset(tmp_path / "o2", "train")
+    assert bytes(data.tokens.tolist()) == b"firstsecondplain"
+    (tmp_path / "o2" / "meta.json").write_text("null")
+    with pytest.raises(ValueError, match="meta.json holds a NoneType"):
+        read_meta(tmp_path / "o2")

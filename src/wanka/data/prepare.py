@@ -9,6 +9,7 @@ for split in ("train", "val").
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -60,6 +61,8 @@ def read_meta(path: str | Path) -> dict:
         raise ValueError(f"no prepared dataset at {path} (missing meta.json); {_fix_hint(path)}")
     try:
         meta = json.loads(meta_file.read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise ValueError(f"unsupported format {meta.get('format')} v{meta.get('version')}")
         itemsize = np.dtype(meta["dtype"]).itemsize
@@ -72,7 +75,7 @@ def read_meta(path: str | Path) -> dict:
                 f = path / f"{split}.{suffix}"
                 if not f.is_file() or f.stat().st_size != expected:
                     raise ValueError(f"{f.name} is missing or has the wrong size")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"corrupt dataset at {path}: {e}; delete it and {_fix_hint(path)}") from e
     return meta
 
@@ -249,10 +252,11 @@ def input_sources(paths: Sequence[str]) -> list:
 
 
 def _read_documents(f: Path) -> list[Document]:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text.
     if f.suffix == ".txt":
-        return [Document(str(f), f.read_text(encoding="utf-8"))]
+        return [Document(str(f), f.read_text(encoding="utf-8-sig"))]
     docs = []
-    with open(f, encoding="utf-8") as fh:
+    with open(f, encoding="utf-8-sig") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -264,6 +268,12 @@ def _read_documents(f: Path) -> list[Document]:
                 raise ValueError(
                     f'{f}:{lineno}: expected a JSON object with a string "text" field ({e})'
                 ) from None
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\udc80": valid JSON, not valid Unicode
+                raise ValueError(f"{f}:{lineno}: the \"text\" holds an unpaired surrogate "
+                                 f"({text[e.start]!r} at character {e.start}), which is not "
+                                 "Unicode: fix the program that wrote it, or drop the line") from None  # fmt: skip
             docs.append(Document(f"{f}:{lineno}", text))
     return docs
 
@@ -280,6 +290,12 @@ def ensure_builtin_dataset(cache_dir: str | Path, tokenizer_spec: str | None = N
     path = builtin_dataset_dir(cache_dir, tokenizer)
     if is_prepared(path):
         return path
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "a file is in the way" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise ValueError(f"data.cache_dir={str(cache_dir)!r} cannot be made a folder "
+                         f"({why}): point it at a writable directory") from None  # fmt: skip
     return prepare_documents(builtin_documents(), path, tokenizer, val_fraction=0.01, seed=0)
 
 

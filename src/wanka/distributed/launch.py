@@ -4,6 +4,7 @@ through unchanged. A single local rank runs in-process (no launcher overhead).""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import socket
@@ -11,6 +12,35 @@ import socket
 # torchrun flags we forward as given (multi-node rendezvous and friends).
 RDZV_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "master_addr",
               "master_port", "max_restarts")  # fmt: skip
+
+
+def _count(flag: str, low: int):
+    def parse(text: str) -> str:
+        if not text.strip().isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {low}")
+        return text.strip()
+
+    parse.__name__ = flag
+    return parse
+
+
+def _nnodes(text: str) -> str:
+    """torchrun's N or MIN:MAX, checked here: 0 or a bad range failed deep inside (a traceback)."""
+    parts = text.strip().split(":")
+    if (
+        len(parts) > 2
+        or not all(p.isdigit() and int(p) >= 1 for p in parts)
+        or (len(parts) == 2 and int(parts[0]) > int(parts[1]))
+    ):
+        raise argparse.ArgumentTypeError(f"{text!r}: want a host count N >= 1, or MIN:MAX with "
+                                         "1 <= MIN <= MAX (elastic)")  # fmt: skip
+    return text.strip()
+
+
+def rdzv_flag_type(flag: str):
+    """The argparse type of one of RDZV_FLAGS: counts are checked, the rest pass as text."""
+    return {"nnodes": _nnodes, "node_rank": _count("node_rank", 0),
+            "max_restarts": _count("max_restarts", 0)}.get(flag, str)  # fmt: skip
 
 
 def inside_torchrun() -> bool:

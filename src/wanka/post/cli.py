@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from wanka.distributed.launch import RDZV_FLAGS
+from wanka.distributed.launch import RDZV_FLAGS, rdzv_flag_type
 
 HELP = {
     "distill": "on-policy distillation from one teacher per prompt domain (MOPD, GKD knobs)",
@@ -30,7 +30,7 @@ def add_post_parsers(sub) -> None:
         p.add_argument("--chaos", default="", metavar="SCHEDULE",
                        help="inject faults, e.g. 'kill@step=3,rank=1' (see wanka chaos)")  # fmt: skip
         for flag in RDZV_FLAGS:
-            p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
+            p.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, type=rdzv_flag_type(flag),
                            help="passed to torchrun")  # fmt: skip
         p.set_defaults(fn=_post)
 

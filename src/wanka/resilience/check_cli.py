@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from wanka.distributed.launch import RDZV_FLAGS
+from wanka.distributed.launch import RDZV_FLAGS, rdzv_flag_type
 
 
 def _nnodes(value: str | None) -> int:
@@ -83,7 +83,7 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--timeout", type=float, default=60.0, help="live checks: seconds per wait")
     for flag in RDZV_FLAGS:
         if flag != "max_restarts":
-            c.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None,
+            c.add_argument("--" + flag.replace("_", "-"), dest=flag, default=None, type=rdzv_flag_type(flag),
                            help="as for torchrun (multi-node live checks)")  # fmt: skip
     # wanka.cli dispatches on `fn`; `func` is the argparse-docs name other callers may use.
     c.set_defaults(fn=_check, func=_check)

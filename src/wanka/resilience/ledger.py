@@ -13,6 +13,7 @@ the policy. Ids rather than times, so that a fault recorded later with an earlie
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 import time as _time
 from collections import Counter
@@ -105,7 +106,17 @@ class FaultLedger:
                     f"no fault ledger at {self.path}: run a supervised job first, "
                     "or pass --ledger PATH"
                 )
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                why = (
+                    "a file is in the way"
+                    if e.errno in (errno.EEXIST, errno.ENOTDIR)
+                    else e.strerror
+                )
+                raise ValueError(f"cannot make the fault ledger's folder {self.path.parent} "
+                                 f"({why}): set resilience.ledger to a path in a "
+                                 "writable directory") from None  # fmt: skip
         with self._db(write=True, wal=True) as db:
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
