@@ -75,13 +75,17 @@ def test_force_never_loses_the_old_dataset_or_other_files(tmp_path, capsys):
     docs, out = _docs(tmp_path), tmp_path / "ds"
     assert main_prepare([str(docs)], str(out), None, 0.1, 0) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    # A rebuild that fails (its one document held out) keeps the old dataset as it was.
-    one = tmp_path / "one.txt"
-    one.write_text("a single document " * 100)
-    assert main_prepare([str(one)], str(out), None, 0.5, 0, force=True) == 2
-    assert "train split is empty" in capsys.readouterr().err
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "ds", "one.txt"]  # no temp
+    # A rebuild that fails keeps the old dataset as it was: on reading its inputs, or inside
+    # the build (every train document one token long).
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    words = tmp_path / "words.jsonl"
+    words.write_text('{"text": "a"}\n' * 50)
+    for inputs, needle in (([docs, bad], "bad.jsonl:2"), ([words], "nothing to predict")):
+        assert main_prepare(list(map(str, inputs)), str(out), None, 0.0, 0, force=True) == 2
+        assert needle in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "docs", "ds", "words.jsonl"]
     # Files of the user's inside --out are never deleted by a rebuild: refused, named.
     (out / "raw").mkdir()
     (out / "raw" / "notes.txt").write_text("mine")
@@ -132,3 +136,15 @@ def test_jsonl_surrogates_bom_and_a_non_object_meta_are_one_line(tmp_path, capsy
     (tmp_path / "o2" / "meta.json").write_text("null")
     with pytest.raises(ValueError, match="meta.json holds a NoneType"):
         read_meta(tmp_path / "o2")
+
+
+def test_one_token_documents_have_nothing_to_predict(tmp_path, capsys):
+    words = tmp_path / "words.jsonl"
+    words.write_text("".join('{"text": "a"}\n' for _ in range(2000)))
+    assert main_prepare([str(words)], str(tmp_path / "o"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err.strip()
+    assert "nothing to predict" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    # One two-token document is enough to train on.
+    words.write_text(words.read_text() + '{"text": "ab"}\n')
+    assert main_prepare([str(words)], str(tmp_path / "o"), None, 0.0, 0) == 0

@@ -32,6 +32,9 @@ _ENCODE_CHUNK = 256  # documents per encode_batch call: parallel, yet bounded me
 # Held-out text the split keeps at least (a tenth of the corpus at most): enough for 16
 # windows of 2048 bytes, so the default val fraction still evaluates a small corpus.
 MIN_VAL_CHARS = 32768
+NO_TARGETS = ("every train document is one token long, so there is nothing to predict (a token is "
+              "predicted from earlier tokens of its own document): join the short texts into "
+              "longer documents")  # fmt: skip
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -160,6 +163,8 @@ def prepare_documents(
         }
         if splits["train"]["num_tokens"] == 0:
             raise ValueError("the train split is empty (all documents empty or in val)")
+        if splits["train"]["num_tokens"] <= splits["train"]["num_docs"]:
+            raise ValueError(NO_TARGETS)
         meta = {
             "format": FORMAT,
             "version": FORMAT_VERSION,

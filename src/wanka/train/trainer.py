@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from wanka.config import ConfigError, JobConfig, dump_toml
 from wanka.data.loader import Batch, PackedLoader, validation_batches
-from wanka.data.prepare import TokenDataset, ensure_builtin_dataset
+from wanka.data.prepare import NO_TARGETS, TokenDataset, ensure_builtin_dataset
 from wanka.device import (
     autocast_dtype,
     dist_backend,
@@ -182,13 +182,16 @@ def check_data(cfg: JobConfig, world_size: int) -> None:
     if cfg.parallel.cp_cost:
         _cp_cost(cfg)  # a missing or foreign cost file: one line here, not one per rank
     path = _dataset_path(cfg, rank=0)
-    check_vocab(TokenDataset(path, "train").vocab_size, cfg.model.vocab_size)
+    train = TokenDataset(path, "train")
+    check_vocab(train.vocab_size, cfg.model.vocab_size)
+    if train.num_tokens <= train.num_docs:  # prepared before `data prepare` refused this
+        raise ValueError(f"{path}: {NO_TARGETS}")
     PackedLoader(
         TokenDataset(path, "train"), cfg.data.seq_len, cfg.train.micro_batch_size, 0, world_size, 0
     )
-    validation_batches(
-        TokenDataset(path, "val"), cfg.data.seq_len, cfg.train.micro_batch_size, 1, 0, world_size
-    )
+    # One row is enough to fail an empty val split (smaller ones are read round-robin); a
+    # typo'd micro_batch_size must not fill this process's memory before the ranks start.
+    validation_batches(TokenDataset(path, "val"), cfg.data.seq_len, 1, 1, 0, world_size)
 
 
 def check_vocab(data_vocab: int, model_vocab: int) -> None:
