@@ -43,6 +43,7 @@ log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a last-gasp checkpoint; relaunch
 STRAGGLER_STEPS = 3  # slow in this many steps = a straggler
+UNSTICK_AFTER_S = 10.0  # a launcher still running this long after its attempt's fault is stuck
 
 
 @dataclass
@@ -211,6 +212,7 @@ class Supervisor:
             log.warning("resilience.control = store applies to jobs of several nodes: "
                         "watching files")  # fmt: skip
         self._preempt = threading.Event()
+        self._unstick = threading.Event()  # the watch stopped a stuck launcher (not a preemption)
         self._warned: set[str] = set()
         self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
         self.nodes: list = []  # the cluster nodes of the current attempt, in node-rank order
@@ -266,6 +268,7 @@ class Supervisor:
 
             env[LOSS_CURVE_LATER] = "1"
         out = Outcome("success")
+        self._unstick.clear()
         self.chaos.restore_due()  # a cut that ended between attempts, before the first poll
         self._log_marks = rank_logs.offsets(self.run_dir)  # what this attempt's ranks log follows
         stop = threading.Event()
@@ -304,8 +307,11 @@ class Supervisor:
             out.codes = [f.exitcode for f in e.failures.values()]
             out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
         except SignalException as e:
-            out.cause, out.detail = "preempted", f"signal {e.sigval}"
-            self._preempt.set()
+            if self._unstick.is_set():  # our own (see _watch): the watch named the fault
+                self._unstick.clear()
+            else:
+                out.cause, out.detail = "preempted", f"signal {e.sigval}"
+                self._preempt.set()
         except (RendezvousError, dist.DistError) as e:  # a peer host missing, late or gone
             launch_error = e
         finally:
@@ -360,7 +366,13 @@ class Supervisor:
         this process) must end the job, not be lost or raise: the local elastic agent installs
         its own handlers for the length of an attempt."""
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda *_: self._preempt.set())
+            signal.signal(sig, self._on_stop_request)
+
+    def _on_stop_request(self, signum: int, _frame) -> None:
+        if signum == signal.SIGTERM and self._unstick.is_set():  # ours, arriving late
+            self._unstick.clear()
+            return
+        self._preempt.set()
 
     def _fits(self, nodes: int) -> bool:
         from wanka.distributed.parallel_dims import ParallelDims, ParallelError
@@ -475,9 +487,18 @@ class Supervisor:
         while not stop.wait(0.05):
             try:
                 if self._poll(hb_dir, attempt, out, monitor, flagged):
-                    return
+                    break
             except Exception as e:  # the monitor must outlive any one bad poll
                 log.error("monitor poll failed: %s", e)
+        # torch's agent waits for a worker's return value: a rank that ended with exit code 0
+        # mid-job (os._exit(0) in a user's reward) leaves it waiting for ever. Stop it the way
+        # a stop request would, marked as ours, once it has had time to end on its own.
+        if not stop.wait(UNSTICK_AFTER_S) and self.cluster is None and not stop.is_set():
+            log.warning("the launcher did not end %g s after the fault (a rank that exits 0 mid-job, "
+                        "e.g. os._exit(0) in user code, leaves it waiting): stopping it",
+                        UNSTICK_AFTER_S)  # fmt: skip
+            self._unstick.set()
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def note_stragglers(self, beats: dict, node_of_rank, now: float,
                         flagged: dict[int, set[int]]) -> None:  # fmt: skip
