@@ -49,6 +49,21 @@ def _edit_config(d, **changes):
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+def _drop_config_keys(d, *keys):
+    cfg = json.loads((d / "config.json").read_text())
+    for k in keys:
+        del cfg[k]
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(d, edit):
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(d / "model.safetensors"))
+    edit(t)
+    save_file(t, str(d / "model.safetensors"))
+
+
 def test_imported_run_has_a_loadable_config(run_dir):
     """max_position_embeddings 64 < the default data.seq_len 256: the run directory written
     used to fail `load_config` (data.seq_len > model.max_seq_len)."""
@@ -63,6 +78,11 @@ def test_imported_run_has_a_loadable_config(run_dir):
     (lambda d: _edit_config(d, hidden_size="32"), "config.json's hidden_size"),
     (lambda d: _edit_config(d, q_lora_rank=None), "config.json's q_lora_rank"),
     (lambda d: _edit_config(d, num_hidden_layers=-1), "config.json's num_hidden_layers"),
+    (lambda d: _edit_config(d, hidden_act="gelu"), "hidden_act is 'gelu'"),
+    (lambda d: _edit_config(d, mlp_layer_types=["sparse", "dense"]), "mlp_layer_types"),
+    (lambda d: _edit_config(d, mlp_layer_types=["dense"]), "names 1 layers"),
+    (lambda d: _drop_config_keys(d, "n_group"), "lacks n_group, and transformers' default for it (8)"),
+    (lambda d: _drop_config_keys(d, "hidden_size"), "config.json lacks hidden_size:"),
     (lambda d: _edit_config(d, hidden_size=48), "has shape [256, 32], the config implies [256, 48]"),
     (lambda d: _edit_config(d, num_nextn_predict_layers=2), "model.layers.3.input_layernorm.weight' is missing"),
     (lambda d: _edit_config(d, n_routed_experts=8), "experts.4.gate_proj.weight' is missing"),
@@ -141,10 +161,149 @@ def test_import_never_replaces_its_source_or_foreign_files(hf_dir, run_dir, tmp_
     other = tmp_path / "other"
     other.mkdir()
     (other / "data.bin").write_text("x")
-    one_line_error(capsys, ["import", str(src), "--out", str(other), "--force"], "no config.toml")
+    one_line_error(capsys, ["import", str(src), "--out", str(other), "--force"], "'data.bin'")
     assert (other / "data.bin").is_file()
+    (other / "data.bin").unlink()
+    (other / "checkpoints").mkdir()
+    one_line_error(capsys, ["import", str(src), "--out", str(other), "--force"], "no config.toml")
     # A run directory is replaced with --force (and only then).
     run = _copy(run_dir, tmp_path, "run")
     one_line_error(capsys, ["import", str(src), "--out", str(run)], "--force")
     assert main(["import", str(src), "--out", str(run), "--force"]) == 0
     assert (run / "config.toml").is_file()
+
+
+def _snapshot(root):
+    """Every path under root with its bytes (None for a folder): equal means untouched."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(root.rglob("*"))}  # fmt: skip
+
+
+def test_import_force_never_deletes_a_project_with_a_config_toml(hf_dir, tmp_path, capsys):
+    """A project folder that happens to hold a config.toml is not a run directory: --force
+    used to delete .git/, src/ and README.md along with it."""
+    proj = tmp_path / "proj"
+    (proj / ".git").mkdir(parents=True)
+    (proj / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (proj / "src").mkdir()
+    (proj / "src" / "main.py").write_text("print('hi')\n")
+    (proj / "README.md").write_text("# my project\n")
+    (proj / "config.toml").write_text('[model]\nflavor = "tiny"\n')
+    before = _snapshot(proj)
+    err = one_line_error(capsys, ["import", str(hf_dir), "--out", str(proj), "--force"], "'.git'")
+    assert "wanka does not write" in err
+    assert _snapshot(proj) == before
+    # Only wanka's own entries, but a config.toml that is not wanka's: refused too.
+    shutil.rmtree(proj / ".git")
+    shutil.rmtree(proj / "src")
+    (proj / "README.md").unlink()
+    (proj / "config.toml").write_text("[tool.ruff]\nline-length = 100\n")
+    (proj / "logs").mkdir()
+    before = _snapshot(proj)
+    one_line_error(capsys, ["import", str(hf_dir), "--out", str(proj), "--force"],
+                   "config.toml is not a wanka config")  # fmt: skip
+    assert _snapshot(proj) == before
+
+
+def test_import_force_replaces_a_trained_run_directory(hf_dir, run_dir, tmp_path, capsys):
+    """What training, reports and the supervisor leave in a run directory is all replaced."""
+    run = _copy(run_dir, tmp_path, "run")
+    for d in ("logs", "resilience", "tb"):
+        (run / d).mkdir()
+        (run / d / "x").write_text("x")
+    for f in ("metrics.jsonl", "summary.json", "loss_curve.png", "timeline.png", "post_command"):
+        (run / f).write_text("x")
+    assert main(["import", str(hf_dir), "--out", str(run), "--force"]) == 0
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.toml"]
+
+
+def test_missing_keys_take_transformers_defaults(hf_dir, tmp_path, capsys):
+    """save_pretrained-style config.json without routed_scaling_factor: transformers runs it
+    with 2.5; the import used to build the model with 1.0."""
+    from wanka.config.loader import load_config
+
+    src = _copy(hf_dir, tmp_path, "src")
+    _edit_config(src, routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse"])
+    _drop_config_keys(src, "routed_scaling_factor", "first_k_dense_replace", "index_topk")
+    assert main(["import", str(src), "--out", str(tmp_path / "run")]) == 0
+    m = load_config(tmp_path / "run" / "config.toml").model
+    assert (m.route_scale, m.n_dense_layers, m.index_topk) == (2.5, 1, 2048)
+
+
+def test_defaults_are_transformers_own():
+    transformers = pytest.importorskip("transformers")
+    from wanka.interop.hf import _DEFAULTS
+
+    theirs = transformers.DeepseekV32Config()
+    for key, value in _DEFAULTS.items():
+        if key != "num_nextn_predict_layers":  # not a transformers key: it runs no MTP
+            assert getattr(theirs, key) == value, key
+    assert theirs.hidden_act == "silu" and theirs.norm_topk_prob
+
+
+def test_tied_config_with_a_different_lm_head_is_refused(hf_dir, tmp_path, capsys):
+    bad = _copy(hf_dir, tmp_path)
+
+    def add_head(t, scale):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"] * scale
+
+    _edit_tensors(bad, lambda t: add_head(t, 2.0))
+    one_line_error(capsys, ["import", str(bad), "--out", str(tmp_path / "o")],
+                   "lm_head.weight differs from model.embed_tokens.weight")  # fmt: skip
+    assert not (tmp_path / "o").exists()
+    _edit_tensors(bad, lambda t: add_head(t, 1.0))  # the copy some writers keep: fine
+    assert main(["import", str(bad), "--out", str(tmp_path / "o")]) == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(hf_dir, tmp_path, capsys, value):
+    bad = _copy(hf_dir, tmp_path)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _edit_tensors(bad, lambda t: t[name].view(-1).__setitem__(7, value))
+    one_line_error(capsys, ["import", str(bad), "--out", str(tmp_path / "o")],
+                   f"tensor {name!r} holds NaN or Inf")  # fmt: skip
+    assert not (tmp_path / "o").exists()
+
+
+def test_weights_without_their_mtp_layer_import_without_mtp(hf_dir, tmp_path, capsys):
+    """transformers' save_pretrained drops the MTP layer and keeps num_nextn_predict_layers."""
+    from wanka.config.loader import load_config
+
+    src = _copy(hf_dir, tmp_path, "src")
+    mtp = "model.layers.2."
+
+    def drop(t, keep: set):
+        for k in [k for k in t if k.startswith(mtp) and k not in keep]:
+            del t[k]
+
+    _edit_tensors(src, lambda t: drop(t, keep={mtp + "enorm.weight"}))
+    one_line_error(capsys, ["import", str(src), "--out", str(tmp_path / "o")],
+                   "'model.layers.2.input_layernorm.weight' is missing")  # a part: refused  # fmt: skip
+    _edit_tensors(src, lambda t: drop(t, keep=set()))
+    capsys.readouterr()
+    assert main(["import", str(src), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "importing without MTP" in err, err
+    assert load_config(tmp_path / "o" / "config.toml").model.mtp_depth == 0
+
+
+def _word_tokenizer(path) -> None:
+    """A tokenizer.json that is not the byte tokenizer: the import copies it into the run."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(path))
+
+
+def test_export_of_a_run_whose_tokenizer_moved_is_one_line(hf_dir, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    src = _copy(hf_dir, tmp_path, "src")
+    _word_tokenizer(src / "tokenizer.json")
+    assert main(["import", str(src), "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+        src / "tokenizer.json"
+    ).read_bytes()
+    (tmp_path / "run").rename(tmp_path / "moved")  # its config.toml names the old path
+    one_line_error(capsys, ["export", str(tmp_path / "moved"), "--out", str(tmp_path / "hf2")],
+                   "data.tokenizer")  # fmt: skip
+    assert not (tmp_path / "hf2").exists()

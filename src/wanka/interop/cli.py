@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -64,11 +65,37 @@ def _check_out(out: Path, force: bool, source: Path, kind: str) -> None:
             raise ValueError(f"--force replaces an earlier export only, and {out} also holds "
                              f"{other[0]!r}: pick another --out, or empty it yourself")  # fmt: skip
         return
+    _check_replaceable_run(out, entries)
+
+
+# What wanka writes at the top of a run directory (train, post-training, reports, the
+# supervisor, import): the only entries `import --force` replaces, as a run directory's.
+_RUN_ENTRIES = re.compile(r"config\.toml|\.config\.toml\.tmp\d+|checkpoints|logs|resilience|"
+                          r"tb|metrics\.jsonl|summary\.json|(loss_curve|timeline|post_curves)\.png|"
+                          r"post_command|tokenizer\.json|wanka\.lock")  # fmt: skip
+
+
+def _check_replaceable_run(out: Path, entries: list[str]) -> None:
+    """`import --force` deletes --out's entries: only a wanka run directory's (a project folder
+    with a config.toml of its own must never go), and only when no job is using it."""
+    from wanka.config.loader import load_config
     from wanka.train.run_lock import is_live
 
+    other = [n for n in entries if not _RUN_ENTRIES.fullmatch(n)]
+    if other:
+        raise ValueError(f"--force replaces a wanka run directory only, and {out} also holds "
+                         f"{other[0]!r}, which wanka does not write there: pick another --out, "
+                         "or empty it yourself")  # fmt: skip
     if "config.toml" not in entries:
         raise ValueError(f"--force replaces a run directory only, and {out} has no config.toml "
                          f"(it holds {entries[0]!r}): pick another --out, or empty it yourself")  # fmt: skip
+    try:
+        load_config(out / "config.toml")
+    except Exception as e:  # ConfigError, or whatever a foreign TOML file makes _build raise
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"--force replaces a wanka run directory only, and {out}/config.toml "
+                         f"is not a wanka config ({detail}): pick another --out, or empty it "
+                         "yourself") from None  # fmt: skip
     if is_live(out):
         raise ValueError(f"{out} is in use by a running job (its wanka.lock is held): pick "
                          "another --out")  # fmt: skip
@@ -122,10 +149,40 @@ def _export(args: argparse.Namespace) -> int:
     _check_out(out, args.force, run_dir, "export")
     model, cfg, ckpt = load_trained(run_dir, args.checkpoint)
     check_exportable(cfg.model)
+    _check_tokenizer(cfg.data.tokenizer, run_dir)
+    model_cfg, note = _as_decoded(model, cfg.model)
     with _staged(out) as tmp:
-        n, note = write_hf(model.state_dict(), cfg.model, cfg.data.tokenizer, tmp)
-    print(f"wrote {out}: {n} tensors from {ckpt}{note}")
+        n, more = write_hf(model.state_dict(), model_cfg, cfg.data.tokenizer, tmp)
+    print(f"wrote {out}: {n} tensors from {ckpt}{note}{more}")
     return 0
+
+
+def _as_decoded(model, model_cfg) -> tuple:
+    """The [model] config of what the loaded model computes, and a note when it is not the
+    run's: load_trained decodes a dense-warm-up checkpoint with every key (its indexer is not
+    trained to select yet), so the export says index_topk = max_seq_len. Top-k of all keys is
+    exactly dense attention in wanka (sparse only above index_topk) and in transformers
+    (it keeps min(index_topk, keys) keys)."""
+    topk = max((m.topk for m in model.modules() if getattr(m, "indexer", None) is not None),
+               default=model_cfg.index_topk)  # fmt: skip
+    if topk == model_cfg.index_topk:
+        return model_cfg, ""
+    note = (f" (a dense warm-up checkpoint: config.json has index_topk {topk}, every key "
+            f"attended, not the run's {model_cfg.index_topk})")  # fmt: skip
+    return dataclasses.replace(model_cfg, index_topk=topk), note
+
+
+def _tokenizer_file(spec: str) -> Path:
+    """data.tokenizer names a tokenizer.json or its folder (as load_tokenizer reads it)."""
+    return Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+
+
+def _check_tokenizer(spec: str, run_dir: Path) -> None:
+    """A moved or deleted tokenizer.json is named before anything is written."""
+    if spec != "byte" and not _tokenizer_file(spec).is_file():
+        raise ValueError(f"{run_dir}'s data.tokenizer {spec} is not a file (moved or deleted?): "
+                         f"set data.tokenizer in {run_dir / 'config.toml'} to the run's "
+                         "tokenizer.json")  # fmt: skip
 
 
 def write_hf(state_dict: dict, model_cfg, tokenizer: str, out: Path) -> tuple[int, str]:
@@ -166,7 +223,7 @@ def _write_tokenizer(spec: str, out: Path) -> str:
     """Byte tokenizer: a byte-level BPE with no merges (token id = byte value), which
     `AutoTokenizer` loads; a Hugging Face tokenizer.json: copied."""
     if spec != "byte":
-        shutil.copy(spec, out / "tokenizer.json")
+        shutil.copy(_tokenizer_file(spec), out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
         )
@@ -205,13 +262,7 @@ def _import(args: argparse.Namespace) -> int:
 
     from wanka.config.loader import dump_toml
     from wanka.config.schema import DataConfig, JobConfig, RunConfig
-    from wanka.interop.hf import (
-        check_tensors,
-        from_hf,
-        import_seq_len,
-        model_config,
-        read_tensors,
-    )
+    from wanka.interop.hf import check_tensors, from_hf, import_seq_len, model_config, read_tensors
     from wanka.models.transformer import Transformer
     from wanka.train.checkpoint import step_dir, write_manifest
 
@@ -229,10 +280,12 @@ def _import(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"{hf_dir}: {e}") from None
     tensors = read_tensors(hf_dir)
+    cfg = _mtp_present(tensors, cfg)
     try:
         check_tensors(tensors, cfg)
     except ValueError as e:
-        raise ValueError(f"{hf_dir} {e}") from None
+        hint = _defaults_hint(hf) if str(e).startswith("does not match") else ""
+        raise ValueError(f"{hf_dir} {e}{hint}") from None
     sd = from_hf(tensors, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -262,6 +315,32 @@ def _import(args: argparse.Namespace) -> int:
         write_manifest(ck, 0)
     print(f"wrote run directory {out} (model only, step 0): wanka generate {out} --prompt ...")
     return 0
+
+
+def _mtp_present(tensors: dict, cfg):
+    """cfg, without the MTP layers config.json names when the file holds none of them
+    (transformers' save_pretrained drops them): imported without MTP, said in one line."""
+    from wanka.interop.hf import without_absent_mtp
+
+    kept = without_absent_mtp(tensors, cfg)
+    if kept.mtp_depth != cfg.mtp_depth:
+        print(f"[config.json has num_nextn_predict_layers {cfg.mtp_depth} but the weights hold "
+              "no MTP layer (transformers' save_pretrained drops it): importing without MTP]",
+              file=sys.stderr)  # fmt: skip
+    return kept
+
+
+def _defaults_hint(hf: dict) -> str:
+    """For a tensor error: the keys config.json leaves out, which took transformers' defaults
+    (the 671B model's sizes, most likely not this checkpoint's)."""
+    from wanka.interop.hf import defaulted_keys
+
+    keys = [k for k in defaulted_keys(hf) if k != "num_nextn_predict_layers"]
+    if not keys:
+        return ""
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    return (f" (config.json lacks {', '.join(keys[:3])}{more}: transformers' defaults were "
+            "used; give them in config.json)")  # fmt: skip
 
 
 def _is_byte_tokenizer(path: Path) -> bool:

@@ -98,13 +98,62 @@ _HF_FIELDS = {
     "n_group": "n_expert_groups", "topk_group": "n_limited_groups",
     "num_nextn_predict_layers": "mtp_depth", "tie_word_embeddings": "tie_embeddings",
 }  # fmt: skip
-_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-             "index_n_heads", "index_head_dim", "index_topk", "intermediate_size",
-             "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")  # fmt: skip
-_DEFAULTS = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-             "first_k_dense_replace": 0, "n_shared_experts": 0, "routed_scaling_factor": 1.0,
-             "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0}  # fmt: skip
+# transformers' DeepseekV32Config defaults (5.24): what a key config.json leaves out means
+# (save_pretrained may write only what differs from them). A default that does not fit the
+# model is refused, naming the key to give; one wanka cannot build is refused by the type and
+# range checks below.
+_DEFAULTS = {"vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+             "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+             "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+             "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048,
+             "intermediate_size": 18432, "n_routed_experts": 256, "num_experts_per_tok": 8,
+             "moe_intermediate_size": 2048, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+             "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+             "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+             "tie_word_embeddings": False,
+             "num_nextn_predict_layers": 0}  # not a transformers key: it runs no MTP  # fmt: skip
+
+
+def defaulted_keys(hf: dict) -> list[str]:
+    """The model keys config.json leaves out (transformers' defaults stand in for them)."""
+    return [k for k in _DEFAULTS if k not in hf]
+
+
+def _check_supported(hf: dict) -> None:
+    """Refuse what wanka's model does not compute, so an import never builds another model."""
+    rope = hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"config.json's rope_parameters is {rope!r}, not an object")
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
+        raise ValueError("this checkpoint uses scaled RoPE (yarn), which wanka does not have: "
+                         "import a checkpoint with rope_type 'default'")  # fmt: skip
+    if hf.get("attention_bias"):
+        raise ValueError("this checkpoint has attention biases, which wanka's MLA does not")
+    if not hf.get("norm_topk_prob", True):
+        raise ValueError("wanka always normalises the selected experts' weights "
+                         "(norm_topk_prob = true); this checkpoint does not")  # fmt: skip
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json's hidden_act is {hf['hidden_act']!r}: wanka's FFNs and "
+                         "experts are SwiGLU (silu) only; import a checkpoint with "
+                         "hidden_act 'silu'")  # fmt: skip
+
+
+def _dense_layers(hf: dict, values: dict):
+    """first_k_dense_replace as transformers builds the layers: its mlp_layer_types when given
+    (wanka's dense layers come first, then MoE), else min(first_k_dense_replace, layers)."""
+    kinds, n = hf.get("mlp_layer_types"), values["num_hidden_layers"]
+    if kinds is None:
+        k = values["first_k_dense_replace"]
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (k, n))
+        return min(k, n) if ints else k
+    dense = kinds.count("dense") if isinstance(kinds, list) else -1
+    if dense < 0 or kinds != ["dense"] * dense + ["sparse"] * (len(kinds) - dense):
+        raise ValueError(f"config.json's mlp_layer_types {kinds!r} is not some 'dense' layers "
+                         "followed by 'sparse' ones, the only layout wanka builds")  # fmt: skip
+    if len(kinds) != n:
+        raise ValueError(f"config.json's mlp_layer_types names {len(kinds)} layers, its "
+                         f"num_hidden_layers is {n}: make them agree")  # fmt: skip
+    return dense
 
 
 def model_config(hf: dict, flavor: str = "tiny") -> ModelConfig:
@@ -117,27 +166,16 @@ def model_config(hf: dict, flavor: str = "tiny") -> ModelConfig:
     if hf.get("model_type") != MODEL_TYPE:
         raise ValueError(f"config.json has model_type {hf.get('model_type')!r}: wanka imports "
                          f"{MODEL_TYPE!r} checkpoints")  # fmt: skip
-    rope = hf.get("rope_parameters") or {"rope_type": "default",
-                                         "rope_theta": hf.get("rope_theta", 10000.0)}  # fmt: skip
-    if not isinstance(rope, dict):
-        raise ValueError(f"config.json's rope_parameters is {rope!r}, not an object")
-    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling"):
-        raise ValueError("this checkpoint uses scaled RoPE (yarn), which wanka does not have: "
-                         "import a checkpoint with rope_type 'default'")  # fmt: skip
-    if hf.get("attention_bias"):
-        raise ValueError("this checkpoint has attention biases, which wanka's MLA does not")
-    if not hf.get("norm_topk_prob", True):
-        raise ValueError("wanka always normalises the selected experts' weights "
-                         "(norm_topk_prob = true); this checkpoint does not")  # fmt: skip
-    for key in _REQUIRED:
-        if key not in hf:
-            raise ValueError(f"config.json lacks {key!r}, which a deepseek_v32 config has")
+    _check_supported(hf)
     values = {**_DEFAULTS, **{k: hf[k] for k in _HF_FIELDS if k in hf}}
-    values["rope_theta"] = rope.get("rope_theta", 1e4)
+    values["rope_theta"] = (hf.get("rope_parameters") or {}).get(
+        "rope_theta", hf.get("rope_theta", 1e4)
+    )
     if values["tie_word_embeddings"] is None:
         values["tie_word_embeddings"] = False
+    values["first_k_dense_replace"] = _dense_layers(hf, values)
     raw = {_HF_FIELDS[k]: v for k, v in values.items()}
-    raw["head_dim"] = _sum_or_none(hf["qk_nope_head_dim"], hf["qk_rope_head_dim"])
+    raw["head_dim"] = _sum_or_none(values["qk_nope_head_dim"], values["qk_rope_head_dim"])
     raw.update(flavor=flavor, attention="mla", index_share_every=1)
     from wanka.config.loader import ConfigError, _build, validate
     from wanka.config.schema import DataConfig, JobConfig
@@ -151,8 +189,11 @@ def model_config(hf: dict, flavor: str = "tiny") -> ModelConfig:
         # The run directory `wanka import` writes must load: rows no longer than the model's.
         validate(JobConfig(model=cfg, data=DataConfig(seq_len=import_seq_len(cfg))))
     except ConfigError as e:
-        field = e.path.removeprefix("model.")
-        key = back.get(field, e.path)
+        key = back.get(e.path.removeprefix("model."), e.path)
+        if key in _DEFAULTS and key not in hf:
+            raise ValueError(f"config.json lacks {key}, and transformers' default for it "
+                             f"({_DEFAULTS[key]!r}) does not fit this model ({e}): give {key} "
+                             "in config.json") from None  # fmt: skip
         raise ValueError(
             f"config.json's {key} does not describe a model wanka can build ({e})"
         ) from None
@@ -305,9 +346,24 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _IGNORED = ("rotary_emb.inv_freq",)  # buffers some writers save; wanka computes its own
 
 
+def mtp_prefixes(cfg: ModelConfig) -> list[str]:
+    """The HF name prefix of each MTP depth's layer (after the num_hidden_layers decoder ones)."""
+    return [f"model.layers.{cfg.n_layers + d}." for d in range(cfg.mtp_depth)]
+
+
+def without_absent_mtp(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:
+    """cfg without MTP when the file holds no tensor of any MTP layer: transformers runs no MTP
+    and its save_pretrained drops those layers but keeps num_nextn_predict_layers. A partly
+    present MTP layer stays in cfg, so check_tensors names what is missing."""
+    prefixes = tuple(mtp_prefixes(cfg))
+    if not prefixes or any(k.startswith(prefixes) for k in tensors):
+        return cfg
+    return dataclasses.replace(cfg, mtp_depth=0)
+
+
 def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """One line naming the first tensor that is missing, has the wrong shape or a dtype wanka
-    cannot load (quantized weights), or is more than the config.json describes."""
+    cannot load (quantized weights), holds NaN/Inf, or is more than the config.json describes."""
     from wanka.models.transformer import Transformer
 
     with torch.device("meta"):
@@ -318,15 +374,9 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         raise ValueError(f"does not match its config.json: tensor {missing[0]!r} is missing{more} "
                          "(a shard not downloaded, or a config.json of another model size?)")  # fmt: skip
     for k, shape in expected.items():
-        t = tensors[k]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"does not match its config.json: tensor {k!r} has shape "
-                             f"{list(t.shape)}, the config implies {list(shape)}")  # fmt: skip
-        if t.dtype not in _FLOATS:
-            raise ValueError(f"tensor {k!r} is {str(t.dtype).removeprefix('torch.')}: wanka "
-                             "imports float32/bfloat16/float16 weights (dequantize the "
-                             "checkpoint first)")  # fmt: skip
-    # A tied model's file may still hold the copy some writers keep: the embedding is used.
+        _check_tensor(k, tensors[k], shape)
+    _check_tied_head(tensors, cfg)
+    # A tied model's file may still hold the copy some writers keep (equal to the embedding).
     tied_copy = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = sorted(k for k in tensors
                    if k not in expected and not k.endswith(_IGNORED) and k not in tied_copy)  # fmt: skip
@@ -335,6 +385,33 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         raise ValueError(f"does not match its config.json: tensor {extra[0]!r}{more} is not part "
                          "of the model it describes (more layers or experts than config.json "
                          "says, or quantization scales?)")  # fmt: skip
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"does not match its config.json: tensor {name!r} has shape "
+                         f"{list(t.shape)}, the config implies {list(shape)}")  # fmt: skip
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')}: wanka "
+                         "imports float32/bfloat16/float16 weights (dequantize the "
+                         "checkpoint first)")  # fmt: skip
+    if not torch.isfinite(t).all():  # a diverged run's or a damaged file's weights
+        raise ValueError(f"tensor {name!r} holds NaN or Inf values: import a checkpoint of "
+                         "finite weights (re-download it, or export an earlier checkpoint)")  # fmt: skip
+
+
+def _check_tied_head(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """A tied model reads its output head from the embedding: a separate lm_head.weight that
+    differs would be dropped without a word, and the model would compute something else."""
+    head = tensors.get("lm_head.weight")
+    if not cfg.tie_embeddings or head is None:
+        return
+    emb = tensors["model.embed_tokens.weight"]
+    if head.shape != emb.shape or not torch.equal(head.float(), emb.float()):
+        raise ValueError("does not match its config.json: tie_word_embeddings is true, but "
+                         "lm_head.weight differs from model.embed_tokens.weight; set "
+                         "tie_word_embeddings to false in config.json to import the separate "
+                         "output head")  # fmt: skip
 
 
 def read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
