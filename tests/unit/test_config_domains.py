@@ -21,6 +21,11 @@ BAD = [
     ("model.bias_update_rate=-1", "model.bias_update_rate"),
     ("train.decay_fraction=0", "train.decay_fraction"),
     ("model.n_expert_groups=3", "model.n_expert_groups"),
+    ("train.seed=-1", "train.seed"), ("run.device=gpu", "run.device"),
+    ("run.ops_backend=nonsense", "run.ops_backend"), ("run.ops_backend==cpu", "run.ops_backend"),
+    ("resilience.backoff_max_s=-1.0", "resilience.backoff_max_s"),
+    ("resilience.evict_window_s=-5.0", "resilience.evict_window_s"),
+    ('run.dir=""', "run.dir"), ('run.dir="  "', "run.dir"),
 ]  # fmt: skip
 
 

@@ -243,12 +243,35 @@ def validate(cfg: JobConfig) -> None:
                     "resilience.spare_nodes": r.spare_nodes}.items():  # fmt: skip
         if v < 0:
             raise ConfigError(path, f"must be >= 0, got {v}")
+    for path, v in {"resilience.backoff_max_s": r.backoff_max_s,
+                    "resilience.evict_window_s": r.evict_window_s, "train.seed": t.seed}.items():  # fmt: skip
+        if v < 0:
+            raise ConfigError(path, f"must be >= 0, got {v}")
+    _check_run(cfg.run)
     for path, v in {"resilience.hang_factor": r.hang_factor, "resilience.hang_floor_s": r.hang_floor_s,
                     "resilience.hang_initial_s": r.hang_initial_s, "resilience.evict_after": r.evict_after,
                     "resilience.no_progress_restarts": r.no_progress_restarts,
                     "resilience.evict_same_cause": r.evict_same_cause}.items():  # fmt: skip
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def _check_run(run) -> None:
+    if not run.dir.strip():
+        raise ConfigError("run.dir", "is empty (the run would write into the current folder)",
+                          'set it to a folder, e.g. run.dir = "runs/mine"')  # fmt: skip
+    if run.device not in DEVICES:
+        raise ConfigError("run.device", f"{run.device!r} is not one of {', '.join(DEVICES)}",
+                          "'auto' picks an accelerator when one is present")  # fmt: skip
+    for item in filter(None, (x.strip() for x in run.ops_backend.split(","))):
+        op, _, backend = item.partition("=")
+        if not op.strip() or not backend.strip():
+            raise ConfigError("run.ops_backend", f"{item!r} is not op=backend",
+                              'e.g. "sparse_attention=reference,lightning_indexer=cpu"; '
+                              "`wanka bench ops` lists ops and backends")  # fmt: skip
 
 
 def _check_mla(m) -> None:
