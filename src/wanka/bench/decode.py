@@ -52,7 +52,8 @@ def heldout_prompts(n: int, length: int) -> list[list[int]]:
             out.append(ids[:length])
         if len(out) == n:
             return out
-    raise ValueError(f"the validation split has fewer than {n} documents of {length} bytes")
+    raise ValueError(f"the validation split has fewer than {n} documents of {length} bytes: "
+                     "lower --prompts or --prompt-tokens")  # fmt: skip
 
 
 def _decode_chunk(model, prompts, speculate: int, new_tokens: int, sampling, seed: int):
@@ -66,13 +67,13 @@ def _decode_chunk(model, prompts, speculate: int, new_tokens: int, sampling, see
 
 
 def _summarise(chunks: list, batch: int, speculate: int) -> dict:
-    from wanka.infer.generate import distinct_4grams
+    from wanka.infer.generate import distinct_4grams, mean_acceptance_length
 
     dt = sum(c[0] for c in chunks)
     outs = [o for c in chunks for o in c[1]]
     stats = [c[2] for c in chunks]
     tokens = sum(s.tokens for s in stats)
-    rounds = sum(s.rounds for s in stats)
+    mean_length = mean_acceptance_length(stats)
     drafted = [sum(s.drafted[j] for s in stats) for j in range(speculate)]
     accepted = [sum(s.accepted[j] for s in stats) for j in range(speculate)]
     return {
@@ -84,7 +85,7 @@ def _summarise(chunks: list, batch: int, speculate: int) -> dict:
         # A row's tokens arrive one forward apart: wall time over the tokens of one row.
         "latency_ms_per_token": round(1e3 * dt / (tokens / batch), 2),
         "acceptance_rate": [round(a / d, 4) if d else None for a, d in zip(accepted, drafted)],
-        "mean_acceptance_length": round(1 + sum(accepted) / rounds, 3) if rounds else None,
+        "mean_acceptance_length": round(mean_length, 3) if mean_length is not None else None,
         "distinct_4grams": distinct_4grams(outs),
         "outputs": outs,
     }
@@ -147,22 +148,61 @@ def _step_time(model, context: int, steps: int = 8) -> dict:
 def run_bench_decode(args: argparse.Namespace) -> int:
     import torch
 
-    with torch.no_grad():  # a context: an in-process caller (a test) keeps autograd
-        return _bench_decode(args)
+    from wanka.infer.generate import NonFiniteLogits
+
+    try:
+        with torch.no_grad():  # a context: an in-process caller (a test) keeps autograd
+            return _bench_decode(args)
+    except NonFiniteLogits as e:  # the checkpoint's fault: one line, exit 2
+        raise ValueError(str(e)) from None
+
+
+def _int_list(flag: str, text: str, example: str) -> list[int]:
+    """A comma list of positive integers, or one line naming the flag."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(x.isdecimal() and int(x) > 0 for x in items):
+        raise ValueError(f"{flag} {text!r}: give positive integers separated by commas, e.g. "
+                         f"{flag} {example}")  # fmt: skip
+    return [int(x) for x in items]
+
+
+def _check_out(out: Path) -> None:
+    """Before the benchmark runs, not after: --out must be a file we can write."""
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: pass a file path, e.g. --out "
+                         f"{out / 'decode.json'}")  # fmt: skip
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot create its directory {out.parent} "
+                         f"({e.strerror}): pass another --out") from None  # fmt: skip
+
+
+def _check_lengths(args: argparse.Namespace, max_seq_len: int) -> None:
+    """The longest row a case decodes (prompt, new tokens, the drafts beyond them) against
+    the model, named by the flags that set it."""
+    need = args.prompt_tokens + args.new_tokens + args.speculate
+    if need > max_seq_len:
+        raise ValueError(f"--prompt-tokens ({args.prompt_tokens}) + --new-tokens "
+                         f"({args.new_tokens}) + --speculate ({args.speculate}) = {need} exceeds "
+                         f"the model's max_seq_len {max_seq_len}: lower --prompt-tokens or "
+                         "--new-tokens")  # fmt: skip
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    batches = [int(x) for x in args.batches.split(",") if x]
-    contexts = [int(x) for x in args.contexts.split(",") if x]
-    if args.speculate < 1 or not batches or min(batches) < 1:
-        raise ValueError("--speculate and --batches need positive numbers, e.g. --batches 1,8")
-    for flag in ("prompts", "prompt_tokens", "new_tokens", "repeats"):
+    batches = _int_list("--batches", args.batches, "1,8")
+    contexts = _int_list("--contexts", args.contexts, "4096,16384")
+    if not batches:
+        raise ValueError("--batches is empty: give batch sizes, e.g. --batches 1,8")
+    for flag in ("speculate", "prompts", "prompt_tokens", "new_tokens", "repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1 or more")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ValueError(f"--temperature {args.temperature}: use 0 (greedy) or a positive number")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p}: the nucleus mass is in (0, 1]")
+    out = Path(args.out)
+    _check_out(out)
     import torch
 
     from wanka.infer.load import load_trained
@@ -174,6 +214,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     if contexts and max(contexts) + 16 > cfg.model.max_seq_len:
         raise ValueError(f"--contexts up to {max(contexts)} exceed the model's max_seq_len "
                          f"{cfg.model.max_seq_len}")  # fmt: skip
+    _check_lengths(args, cfg.model.max_seq_len)
     prompts = heldout_prompts(args.prompts, args.prompt_tokens)
     result = {"run_dir": str(args.run_dir), "checkpoint": str(ckpt), "flavor": cfg.model.flavor,
               "index_topk": cfg.model.index_topk, "threads": torch.get_num_threads(),
@@ -183,7 +224,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
     sampling = Sampling(args.temperature, args.top_p)
     result.update(temperature=args.temperature, top_p=args.top_p)
-    _decode_pair(model, prompts[:1], 1, args.speculate, 8, sampling, 1)  # warm-up
+    warm_up = min(8, args.new_tokens)
+    _decode_pair(model, prompts[:1], 1, args.speculate, warm_up, sampling, 1)
     result["repeats"] = args.repeats
     for batch in batches:
         runs = _decode_pair(model, prompts, batch, args.speculate, args.new_tokens, sampling,
@@ -222,8 +264,6 @@ def _bench_decode(args: argparse.Namespace) -> int:
               f"with DSA, x{result['dense_step_growth']} dense")  # fmt: skip
     for case in result["cases"]:
         case["outputs"] = [len(o) for o in case.pop("outputs")]  # lengths only in the JSON
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

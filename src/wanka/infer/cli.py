@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,7 +19,8 @@ def add_generate_parser(sub) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts", metavar="FILE",
-                     help="prompts, one per line, or JSONL with a 'prompt' field")  # fmt: skip
+                     help="prompts, one per line (\\n a newline, \\\\ a backslash), or JSONL "
+                     "lines with a 'prompt' field")  # fmt: skip
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens to add per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -31,35 +34,51 @@ def add_generate_parser(sub) -> None:
     g.set_defaults(fn=_generate)
 
 
+_ESCAPE = re.compile(r"\\([\\n])")
+_BOM = b"\xef\xbb\xbf"
+
+
 def read_prompts(path: str) -> list[str]:
+    """Prompts of a text file: one per line (`\\n` a newline, `\\\\` a backslash), or JSONL
+    lines with a 'prompt' field. Lines end at "\\n" only (a trailing "\\r" dropped)."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no prompts file {p}: pass a text file (one prompt per line)")
+    data = p.read_bytes()
+    data = data[len(_BOM) :] if data.startswith(_BOM) else data  # an editor's BOM is no text
     try:
-        text = p.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = p.read_bytes()[: e.start].count(b"\n") + 1
+        line = data[: e.start].count(b"\n") + 1
         raise ValueError(f"{p}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}): save the "
                          "prompts as UTF-8") from None  # fmt: skip
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            try:
-                prompt = json.loads(line)["prompt"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{p}:{n}: a JSON line needs a 'prompt' field, e.g. "
-                                 '{"prompt": "def main("}') from None  # fmt: skip
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"{p}:{n}: 'prompt' is {json.dumps(prompt)}: it must be a "
-                                 'non-empty string, e.g. {"prompt": "def main("}')  # fmt: skip
-            prompts.append(prompt)
-        else:
-            prompts.append(line.replace("\\n", "\n"))
+    # Not str.splitlines(): it also splits at form feeds, U+2028 and the like, which are text.
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    prompts = [_prompt_of(line, f"{p}:{n}") for n, line in enumerate(lines, 1) if line.strip()]
     if not prompts:
         raise ValueError(f"{p} holds no prompt: one per line")
     return prompts
+
+
+def _prompt_of(line: str, where: str) -> str:
+    """One line's prompt: a JSON object's 'prompt', else the line with its escapes undone."""
+    if not line.lstrip().startswith("{"):
+        return unescape(line)
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{where}: a JSON line needs a 'prompt' field, e.g. "
+                         '{"prompt": "def main("}') from None  # fmt: skip
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: 'prompt' is {json.dumps(prompt)}: it must be a "
+                         'non-empty string, e.g. {"prompt": "def main("}')  # fmt: skip
+    return prompt
+
+
+def unescape(line: str) -> str:
+    """A text line's two escapes: backslash-n is a newline, two backslashes are one backslash;
+    any other backslash is kept as it is (so `C:\\temp` needs no escaping, `C:\\\\new` does)."""
+    return _ESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else "\\", line)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -71,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from wanka.data.tokenizer import load_tokenizer
-    from wanka.infer.generate import Generator
+    from wanka.infer.generate import Generator, NonFiniteLogits
     from wanka.infer.load import load_trained
     from wanka.infer.sampling import Sampling
 
@@ -98,14 +117,32 @@ def _generate(args: argparse.Namespace) -> int:
             where = f"{args.prompts}: prompt {n + 1}" if args.prompts else "--prompt"
             raise ValueError(f"{where}: {e}") from None
     # no_grad as a context, not set_grad_enabled(False): an in-process caller keeps autograd.
-    with torch.no_grad():
-        return _decode(args, prompts, encoded, model, tok, sampling, ckpt)
+    try:
+        with torch.no_grad():
+            code = _decode(args, prompts, encoded, model, tok, sampling, ckpt)
+        sys.stdout.flush()  # a closed pipe shows here, not in the exit's flush
+    except BrokenPipeError:  # `wanka generate ... | head -1`: the reader has what it wanted
+        return _stdout_closed()
+    except NonFiniteLogits as e:  # the checkpoint's fault: one line, exit 2
+        raise ValueError(str(e)) from None
+    return code
+
+
+def _stdout_closed() -> int:
+    """Exit quietly as a Unix tool killed by SIGPIPE does (status 128 + 13), with stdout
+    pointed at /dev/null so the exit's own flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file descriptor (e.g. captured in a test)
+        pass
+    return 141
 
 
 def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, sampling,
             ckpt) -> int:  # fmt: skip
     """Every batch of prompts, streamed or printed; a summary line on stderr."""
-    from wanka.infer.generate import Generator
+    from wanka.infer.generate import Generator, mean_acceptance_length
 
     stream = len(prompts) == 1 and not args.json
     print(f"[{ckpt}]", file=sys.stderr)
@@ -114,9 +151,7 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
         batch = prompts[first : first + args.batch_size]
         ids = encoded[first : first + args.batch_size]
         gen = Generator(model, sampling, args.speculate, args.seed + first, args.eos)
-        printer = _Streamer(tok) if stream else None
-        if printer is not None:
-            sys.stdout.write(batch[0])
+        printer = _Streamer(tok, batch[0]) if stream else None
         out = gen.generate(ids, args.max_new_tokens, printer)
         if printer is not None:
             printer.flush()
@@ -131,28 +166,30 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
     dt = time.perf_counter() - t0
     line = f"{total_tokens} tokens in {dt:.1f} s ({total_tokens / dt:.1f} tokens/s)"
     if args.speculate:
-        rounds = sum(s.rounds for s in stats)
-        acc = sum(sum(s.accepted) for s in stats)
-        line += f", mean acceptance length {1 + acc / max(rounds, 1):.2f}"
+        line += f", mean acceptance length {mean_acceptance_length(stats) or 1.0:.2f}"
     print(line, file=sys.stderr)
     return 0
 
 
 class _Streamer:
-    """Writes a row's text as tokens arrive, holding back a cut multi-byte character."""
+    """Writes a row's text as tokens arrive, holding back a cut multi-byte character. The
+    prompt comes with the first token: a model that fails at once prints nothing."""
 
-    def __init__(self, tok) -> None:
-        self.tok, self.ids, self.shown = tok, [], 0
+    def __init__(self, tok, prompt: str) -> None:
+        self.tok, self.ids, self.shown, self.prompt = tok, [], 0, prompt
 
     def __call__(self, row: int, ids: list[int]) -> None:
         self.ids.extend(ids)
         text = self.tok.decode(self.ids)
         end = len(text) - 1 if text.endswith("\ufffd") else len(text)
-        sys.stdout.write(text[self.shown : end])
-        sys.stdout.flush()
+        self._write(text[self.shown : end])
         self.shown = max(self.shown, end)
 
     def flush(self) -> None:
         text = self.tok.decode(self.ids)
-        sys.stdout.write(text[self.shown :] + "\n")
+        self._write(text[self.shown :] + "\n")
+
+    def _write(self, text: str) -> None:
+        sys.stdout.write(self.prompt + text)
         sys.stdout.flush()
+        self.prompt = ""

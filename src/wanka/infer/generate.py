@@ -31,8 +31,11 @@ class DecodeStats:
     forwards: int = 0  # main-model forwards after the prompt's
     tokens: int = 0  # tokens emitted (all rows, max_new_tokens cap applied)
     rounds: int = 0  # speculative rounds, summed over the rows still generating
-    drafted: list[int] = field(default_factory=list)  # per draft position, summed over rows
+    # Per draft position, summed over rows: drafts verified and drafts the target agreed with
+    # (the drafter's quality, whether or not max_new_tokens or an EOS cut them off after).
+    drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    kept: int = 0  # tokens the rounds added to the output (after the max_new_tokens / EOS cut)
 
     @property
     def acceptance_rate(self) -> list[float]:
@@ -40,8 +43,22 @@ class DecodeStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens per verify forward: accepted drafts + the target's own token (1 = none)."""
-        return 1.0 + sum(self.accepted) / self.rounds if self.rounds else 1.0
+        """Output tokens per verify round: the kept drafts + the target's own token, counting
+        only those within max_new_tokens (and up to an EOS), so at most 1 + speculate and at
+        most the tokens produced (1 = no draft kept, or no round)."""
+        return mean_acceptance_length([self]) or 1.0
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits hold NaN or Inf: so do its weights (a diverged or damaged run). A
+    RuntimeError, as torch's sampling error was, for the post-training jobs; the commands that
+    load a checkpoint the user names turn it into their one-line bad-input error."""
+
+
+def mean_acceptance_length(stats: list[DecodeStats]) -> float | None:
+    """DecodeStats.mean_acceptance_length over several generators (None: no round ran)."""
+    rounds = sum(s.rounds for s in stats)
+    return sum(s.kept for s in stats) / rounds if rounds else None
 
 
 class Generator:
@@ -91,13 +108,14 @@ class Generator:
 
     def _plain(self, prompts: list[list[int]]) -> None:
         cache, pos, logits, _, _ = self._prefill(prompts, n_mtp=0)
-        nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+        nxt = draw(self._probs(logits[:, -1], "the prompt"), self.gen)
         self._emit(nxt[:, None], torch.zeros_like(nxt))
         length = max(map(len, prompts))
         while not all(self.done):
             logits, _, _ = self._forward(cache, length, nxt[:, None], pos[:, None])
             length, pos = length + 1, pos + 1
-            nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+            step = f"decode step {self.stats.forwards + 1}"
+            nxt = draw(self._probs(logits[:, -1], step), self.gen)
             self._emit(nxt[:, None], torch.zeros_like(nxt))
             self.stats.forwards += 1
 
@@ -105,7 +123,7 @@ class Generator:
         N, B = self.speculate, len(prompts)
         cache, pos, logits, hidden, indices = self._prefill(prompts, n_mtp=1)
         length = max(map(len, prompts))
-        nxt = draw(probabilities(logits[:, -1], self.sampling), self.gen)
+        nxt = draw(self._probs(logits[:, -1], "the prompt"), self.gen)
         self._emit(nxt[:, None], torch.zeros_like(nxt))
         # MTP entries of the prompt's slots (the token after each; `nxt` after the last).
         after = torch.cat([self._tokens[:, 1:], nxt[:, None]], dim=1)
@@ -118,7 +136,7 @@ class Generator:
             vpos = pos[:, None] + torch.arange(N + 1, device=self.device)
             logits, hidden, indices = self._forward(cache, length, verify, vpos)
             self.stats.forwards += 1
-            target = probabilities(logits, self.sampling)
+            target = self._probs(logits, f"decode step {self.stats.forwards}")
             accepted, nxt = accept_drafts(target, draft_probs, drafts, self.gen)
             # A finished row keeps nothing: it must not grow the cache, move other rows or run
             # past the RoPE table while slower rows go on.
@@ -165,7 +183,8 @@ class Generator:
         d_logits, h, base = draft
         drafts, probs = [], []
         for j in range(self.speculate):
-            q = probabilities(d_logits[:, -1], self.sampling)
+            where = f"draft {j + 1} of decode step {self.stats.forwards + 1}"
+            q = self._probs(d_logits[:, -1], where, "MTP module's")
             drafts.append(draw(q, self.gen))
             probs.append(q)
             if j + 1 == self.speculate:
@@ -199,6 +218,14 @@ class Generator:
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         return cache, pos, logits, hidden, indices
 
+    def _probs(self, logits: torch.Tensor, where: str, whose: str = "model's") -> torch.Tensor:
+        """The distribution to draw from, after a check that the logits are numbers: NaN or
+        Inf would make sampling fail in torch and greedy decoding emit token 0."""
+        if not bool(torch.isfinite(logits).all()):
+            raise NonFiniteLogits(f"the {whose} logits are not finite at {where}: its weights "
+                                  "hold NaN/Inf (check the checkpoint)")  # fmt: skip
+        return probabilities(logits, self.sampling)
+
     def _forward(self, cache: KVCache, start: int, tokens: torch.Tensor, positions: torch.Tensor):
         docs = cache.set_docs(start, self._live(tokens))
         return self.model.decode(tokens, positions, cache, start, docs)
@@ -230,6 +257,8 @@ class Generator:
                 self.done[b] = True
             self.out[b].extend(new)
             self.stats.tokens += len(new)
+            if nxt is not None:  # a speculative round's output, as cut
+                self.stats.kept += len(new)
             if len(self.out[b]) >= self.max_new:
                 self.done[b] = True
             if new and self.on_tokens is not None:

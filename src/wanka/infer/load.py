@@ -91,9 +91,24 @@ def _load(path: Path, state: dict, run_dir: Path) -> dict:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        if (stop := _interruption(e)) is not None:
+            raise stop from None  # Ctrl-C is the user's, not a checkpoint that does not fit
         raise ValueError(f"checkpoint {path} does not fit the model in {run_dir}/config.toml "
                          f"({_last_line(e)})") from None  # fmt: skip
     return state
+
+
+def _interruption(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SystemExit inside a CheckpointException: DCP wraps whatever
+    its read step raises, Ctrl-C included."""
+    if not isinstance(e, CheckpointException):
+        return None
+    for failure, _ in e.failures.values():
+        if isinstance(failure, (KeyboardInterrupt, SystemExit)):
+            return failure
+        if (inner := _interruption(failure)) is not None:
+            return inner
+    return None
 
 
 def _in_dense_warmup(cfg: JobConfig, step: int) -> bool:

@@ -115,7 +115,8 @@ def held_out_acceptance(job: PostJob) -> dict[str, float]:
         return {}
     job.rollout.sync(job.policy)
     p = job.cfg.post
-    drafted, accepted, rounds, grams = [0] * p.speculate, [0] * p.speculate, 0, [0.0, 0.0]
+    drafted, accepted, rounds, kept = [0] * p.speculate, [0] * p.speculate, 0, 0
+    grams = [0.0, 0.0]
     for r, chunk in enumerate(chunks(job, job.val_prompts)):
         if not chunk:
             continue
@@ -124,14 +125,15 @@ def held_out_acceptance(job: PostJob) -> dict[str, float]:
         outs = gen.generate([job.encode(x.text) for x in chunk], p.completion_tokens)
         drafted = [a + b for a, b in zip(drafted, gen.stats.drafted)]
         accepted = [a + b for a, b in zip(accepted, gen.stats.accepted)]
-        rounds += gen.stats.rounds
+        rounds, kept = rounds + gen.stats.rounds, kept + gen.stats.kept
         share = distinct_4grams(outs)
         if share is not None:
             grams = [grams[0] + share * len(outs), grams[1] + len(outs)]
-    totals = global_sum(*drafted, *accepted, float(rounds), *grams)
+    totals = global_sum(*drafted, *accepted, float(rounds), float(kept), *grams)
     k = p.speculate
     out = {f"val_acceptance/draft{j + 1}": totals[k + j] / max(totals[j], 1) for j in range(k)}
-    out["val_mean_acceptance_length"] = 1.0 + sum(totals[k : 2 * k]) / max(totals[2 * k], 1)
+    # Output tokens per round as kept (after the completion_tokens / EOS cut), as generate says.
+    out["val_mean_acceptance_length"] = totals[2 * k + 1] / totals[2 * k] if totals[2 * k] else 1.0
     if totals[-1]:
         out["val_distinct_4grams"] = totals[-2] / totals[-1]
     return out
