@@ -303,7 +303,17 @@ def test_export_of_a_run_whose_tokenizer_moved_is_one_line(hf_dir, tmp_path, cap
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
         src / "tokenizer.json"
     ).read_bytes()
-    (tmp_path / "run").rename(tmp_path / "moved")  # its config.toml names the old path
-    one_line_error(capsys, ["export", str(tmp_path / "moved"), "--out", str(tmp_path / "hf2")],
+    # Moved, its config.toml names the old path: the run's own copy is found beside it.
+    (tmp_path / "run").rename(tmp_path / "moved")
+    assert main(["export", str(tmp_path / "moved"), "--out", str(tmp_path / "hf2")]) == 0
+    assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == (
+        src / "tokenizer.json"
+    ).read_bytes()
+    assert (
+        main(["generate", str(tmp_path / "moved"), "--prompt", "a", "--max-new-tokens", "2"]) == 0
+    )
+    # Without the copy, one line naming the setting.
+    (tmp_path / "moved" / "tokenizer.json").unlink()
+    one_line_error(capsys, ["export", str(tmp_path / "moved"), "--out", str(tmp_path / "hf3")],
                    "data.tokenizer")  # fmt: skip
-    assert not (tmp_path / "hf2").exists()
+    assert not (tmp_path / "hf3").exists()

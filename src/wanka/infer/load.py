@@ -45,6 +45,22 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
     raise ValueError(f"{run_dir} has {what}: train it first (wanka train), or pass --checkpoint")
 
 
+def run_tokenizer(run_dir: Path, spec: str) -> str:
+    """The tokenizer a run's config names, found as the user would expect after a move: as
+    written (relative to the current folder), else relative to the run directory, else the
+    run's own copy (`wanka import` keeps one beside config.toml and records its absolute
+    path, which moving the run breaks). Unfound: as written, for the loader's own error."""
+    given = Path(spec)
+    if spec == "byte" or given.exists():
+        return spec
+    if not given.is_absolute() and (run_dir / given).exists():
+        return str(run_dir / given)
+    own = run_dir / "tokenizer.json"
+    if given.name == "tokenizer.json" and own.is_file():
+        return str(own)
+    return spec
+
+
 def load_trained(run_dir: str | Path, checkpoint: str = "latest",
                  device: str | torch.device = "cpu") -> tuple[Transformer, JobConfig, Path]:  # fmt: skip
     """-> (model in eval mode, the run's config, the checkpoint loaded)."""
@@ -53,6 +69,9 @@ def load_trained(run_dir: str | Path, checkpoint: str = "latest",
         raise ValueError(f"{run_dir} is not a run directory (no config.toml): pass the run.dir "
                          "of a training job")  # fmt: skip
     cfg = load_config(run_dir / "config.toml")
+    tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)
+    if tokenizer != cfg.data.tokenizer:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
     path = find_checkpoint(run_dir, checkpoint)
     with torch.device("meta"):
         model = Transformer(cfg.model)
