@@ -36,3 +36,39 @@ def test_bad_node_rank_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--node-rank", "-1"])
     assert "argument --node-rank" in capsys.readouterr().err
+
+
+def test_config_files_as_editors_save_them(tmp_path):
+    from wanka.config import ConfigError, load_config
+
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(b"\xef\xbb\xbf[train]\nsteps = 3\n")  # Windows Notepad's UTF-8
+    assert load_config(bom).train.steps == 3
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_config(tmp_path)
+    home = load_config(None, ["data.path=~/corpus", "run.dir=~/runs/x"])
+    assert not home.data.path.startswith("~") and home.run.dir.endswith("/runs/x")
+
+
+def test_utf16_text_and_a_run_dir_as_checkpoint_are_named(tmp_path, capsys):
+    from wanka.data.prepare import main_prepare
+
+    utf16 = tmp_path / "notes.txt"
+    utf16.write_bytes("hello\r\n".encode("utf-16"))
+    assert main_prepare([str(utf16)], str(tmp_path / "o"), None, 0.1, 0) == 2
+    assert "is UTF-16 text" in capsys.readouterr().err
+    from wanka.train.checkpoint import Checkpointer
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    with pytest.raises(ValueError, match="is a run directory, not one of its checkpoints"):
+        Checkpointer.load(object.__new__(Checkpointer), run, {})
+
+
+def test_dp_shard_message_names_only_the_bad_degree():
+    from wanka.config import load_config
+    from wanka.distributed.parallel_dims import ParallelDims, ParallelError
+
+    with pytest.raises(ParallelError, match=r"dp_shard=-7 must be positive, or -1") as e:
+        ParallelDims.from_config(load_config(None, ["parallel.dp_shard=-7"]).parallel, 4)
+    assert "parallel.ep" not in str(e.value)

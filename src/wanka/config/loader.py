@@ -31,12 +31,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError("", f"{p} is a folder, not a config file",
+                              "pass a TOML job file, e.g. configs/demo.toml")  # fmt: skip
         if not p.is_file():
             raise ConfigError(
                 "", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml"
             )
-        try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        try:  # utf-8-sig: Windows editors start a file with a byte-order mark
+            raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("", f"{p} is not valid TOML: {e}") from None
         except UnicodeDecodeError as e:
@@ -49,9 +52,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = _build(JobConfig, raw, "")
+    _expand_home(cfg)
     if check:
         validate(cfg)
     return cfg
+
+
+# Fields holding one path: "~/data" in a TOML file reaches no shell, so it is expanded here.
+PATH_FIELDS = ("data.path", "data.tokenizer", "data.cache_dir", "parallel.cp_cost",
+               "checkpoint.load", "run.dir", "resilience.snapshot_dir", "resilience.ledger",
+               "post.init", "post.prompts")  # fmt: skip
+
+
+def _expand_home(cfg: JobConfig) -> None:
+    for path in PATH_FIELDS:
+        section, key = path.split(".")
+        part = getattr(cfg, section, None)
+        value = getattr(part, key, None) if part is not None else None
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(part, key, str(Path(value).expanduser()))
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -233,6 +233,9 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
         try:
             docs += _read_documents(f)
         except UnicodeDecodeError as e:
+            if e.object[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark
+                raise ValueError(f"{f} is UTF-16 text: convert it, e.g. `iconv -f UTF-16 -t "
+                                 "UTF-8`, or leave it out") from None  # fmt: skip
             raise ValueError(f"{f} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                              f"{e.start}): convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or "
                              "leave it out") from None  # fmt: skip

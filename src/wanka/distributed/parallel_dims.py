@@ -59,10 +59,11 @@ class ParallelDims:
             )
         if dp_shard == -1:
             dp_shard = world_size // (cp * dp_replicate)
-        if dp_shard <= 0 or ep <= 0:
-            raise ParallelError(
-                f"parallel.dp_shard={dp_shard} and parallel.ep={ep} must be positive"
-            )
+        if dp_shard <= 0:
+            raise ParallelError(f"parallel.dp_shard={dp_shard} must be positive, or -1 (every "
+                                "rank the other degrees leave)")  # fmt: skip
+        if ep <= 0:
+            raise ParallelError(f"parallel.ep={ep} must be positive (1 = no expert parallelism)")
         if dp_replicate * dp_shard * cp != world_size:
             raise ParallelError(
                 f"parallel.dp_replicate={dp_replicate} x parallel.dp_shard={dp_shard} x "

@@ -152,8 +152,9 @@ class FaultLedger:
                     "is a process holding it stuck?"
                 ) from None
             raise ValueError(
-                f"fault ledger {self.path} is unusable ({msg}): move it aside or delete it "
-                "to start a new ledger"
+                f"fault ledger {self.path} is unusable ({msg}): if it is an old ledger, move it "
+                "aside to start a new one; if it is another file, point resilience.ledger "
+                "elsewhere (e.g. .cache/wanka/faults.sqlite)"
             ) from None
         finally:
             if db is not None:

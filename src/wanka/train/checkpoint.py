@@ -468,6 +468,9 @@ class Checkpointer:
         hold every key the saved train state has (its values are replaced)."""
         if not path.is_dir():
             raise ValueError(f"no checkpoint directory {path}: fix checkpoint.load")
+        if not (path / MARKER).is_file() and (path / "checkpoints").is_dir():
+            raise ValueError(f"checkpoint.load={str(path)!r} is a run directory, not one of its "
+                             f"checkpoints: point it at {path / 'checkpoints'}/step-N")  # fmt: skip
         if not (path / MARKER).is_file():
             raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): "
                              "pick an earlier one or set checkpoint.load='none'")  # fmt: skip
