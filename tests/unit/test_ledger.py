@@ -145,7 +145,7 @@ def test_corrupt_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as e:
         FaultLedger(bad)
     msg = str(e.value)
-    assert "\n" not in msg and str(bad) in msg and "delete it" in msg
+    assert "\n" not in msg and str(bad) in msg and "move it aside" in msg and "delete" not in msg
     with pytest.raises(ValueError, match="no fault ledger at .*--ledger"):
         FaultLedger(tmp_path / "nope.sqlite", create=False)
     assert not (tmp_path / "nope.sqlite").exists()
