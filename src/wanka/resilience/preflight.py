@@ -139,10 +139,11 @@ def _check_sequence(cfg) -> CheckResult:
     if s > m.max_seq_len:
         return CheckResult("sequence", False, f"data.seq_len={s} > model.max_seq_len="
                            f"{m.max_seq_len}: lower data.seq_len or raise model.max_seq_len")  # fmt: skip
-    if m.index_topk > s:
-        return CheckResult("sequence", False, f"model.index_topk={m.index_topk} > data.seq_len="
-                           f"{s}: sparse attention would be dense; set model.index_topk "
-                           f"below {s} or raise data.seq_len")  # fmt: skip
+    if m.index_topk >= s:  # it trains; but the sparse path never runs, so say so
+        return CheckResult("sequence", True, f"model.index_topk={m.index_topk} >= data.seq_len="
+                           f"{s}: every key is within the top-k, so attention is dense at this "
+                           f"length (set model.index_topk below {s} to train the sparse path)",
+                           warn=True)  # fmt: skip
     return CheckResult("sequence", True, f"seq_len {s} <= max_seq_len {m.max_seq_len}; each "
                        f"query attends to top-{m.index_topk} ({m.index_topk / s:.0%})")  # fmt: skip
 
