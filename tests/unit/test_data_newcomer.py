@@ -29,6 +29,20 @@ def test_small_corpus_gets_enough_validation_text_for_a_batch(tmp_path):
     assert split_documents(docs, 0.0, 0, min_val_chars=32768)[1] == []  # 0 still means none
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_one_big_document_is_not_held_out_whole(seed):
+    # A book and a note: the split holds out the note, never the book (it took 99% of the text).
+    for big in (21_600, 3_000_000):
+        docs = [Document("book", "x" * big), Document("notes", "y" * 300)]
+        train, val = split_documents(docs, 0.01, seed, min_val_chars=32768)
+        assert [d.name for d in train] == ["book"] and [d.name for d in val] == ["notes"]
+    # Drawn by hash or chosen to fill, val never holds more than half of the text.
+    docs = [Document(f"d{i}", "z" * (10 ** (i % 4 + 2))) for i in range(12)]
+    for fraction in (0.01, 0.3, 0.9):
+        train, val = split_documents(docs, fraction, seed, min_val_chars=32768)
+        assert train and val and sum(len(d.text) for d in val) <= sum(len(d.text) for d in docs) / 2
+
+
 def test_val_split_smaller_than_a_batch_is_read_round_robin(tmp_path):
     out = prepare_documents([Document("a", "a" * 400), Document("b", "b" * 60)], tmp_path / "ds",
                             ByteTokenizer(), val_fraction=0.5, min_val_chars=0)  # fmt: skip

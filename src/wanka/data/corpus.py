@@ -68,27 +68,39 @@ def split_documents(
     positive fraction at least one document goes to val and at least one stays in train
     (when there are two or more), so tiny datasets still get both splits. ``min_val_chars``:
     val holds at least that much text (or a tenth of all text, whichever is less), so a small
-    corpus still yields an evaluation batch.
+    corpus still yields an evaluation batch. Documents chosen to fill val rather than drawn
+    skip any that would hold out far more than that, and val never holds more than half.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     scores = [_unit_hash(seed, d.name) for d in docs]
     is_val = [s < val_fraction for s in scores]
-    if val_fraction > 0 and len(docs) >= 2:
-        if not any(is_val):
-            is_val[min(range(len(docs)), key=scores.__getitem__)] = True
-        if all(is_val):
-            is_val[max(range(len(docs)), key=scores.__getitem__)] = False
-    if val_fraction > 0 and min_val_chars > 0 and len(docs) >= 2:
-        # Too little held-out text for one evaluation batch: move more documents (lowest hash
-        # first, so the choice is still deterministic), up to a tenth of the text.
-        total = sum(len(d.text) for d in docs)
-        val_chars = sum(len(d.text) for d, v in zip(docs, is_val) if v)
-        for i in sorted(range(len(docs)), key=scores.__getitem__):
-            if val_chars >= min(min_val_chars, total // 10) or sum(not v for v in is_val) <= 1:
-                break
-            if not is_val[i]:
-                is_val[i], val_chars = True, val_chars + len(docs[i].text)
+    if val_fraction == 0 or len(docs) < 2:
+        return _parts(docs, is_val)
+    size = [len(d.text) for d in docs]
+    total = sum(size)
+    target = min(min_val_chars, total // 10)
+    # A document chosen to fill val (not drawn by its hash) must not hold out much more than
+    # asked: one big file would otherwise leave a sliver to train on.
+    cap = max(2 * target, total // 10, int(total * val_fraction))
+    by_hash = sorted(range(len(docs)), key=scores.__getitem__)
+    while sum(s for s, v in zip(size, is_val) if v) > total // 2:  # drawn: never past half
+        is_val[max((i for i in by_hash if is_val[i]), key=size.__getitem__)] = False
+    if not any(is_val):
+        fits = [i for i in by_hash if size[i] <= cap]
+        is_val[fits[0] if fits else min(by_hash, key=size.__getitem__)] = True
+    if all(is_val):
+        is_val[by_hash[-1]] = False
+    val_chars = sum(s for s, v in zip(size, is_val) if v)
+    for i in by_hash:  # too little for one evaluation batch: more, lowest hash first
+        if val_chars >= target or sum(not v for v in is_val) <= 1:
+            break
+        if not is_val[i] and val_chars + size[i] <= cap:
+            is_val[i], val_chars = True, val_chars + size[i]
+    return _parts(docs, is_val)
+
+
+def _parts(docs: list[Document], is_val: list[bool]) -> tuple[list[Document], list[Document]]:
     train = [d for d, v in zip(docs, is_val) if not v]
     val = [d for d, v in zip(docs, is_val) if v]
     return train, val

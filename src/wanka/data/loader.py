@@ -171,6 +171,12 @@ def validation_batches(
     _check_args(seq_len, batch_size, dp_rank, dp_size)
     global_batch = batch_size * dp_size
     windows = windows_per_epoch(dataset_val, seq_len)
+    if dataset_val.num_docs == 0:
+        raise ValueError(
+            f"the val split of {dataset_val.path} is empty: `wanka data prepare` holds out whole "
+            "documents and needs 2 or more (split a single file into several), with "
+            "--val-fraction above 0"
+        )
     if windows == 0:
         raise ValueError(
             f"val split of {dataset_val.path} has {dataset_val.num_tokens} tokens, fewer than "

@@ -351,6 +351,9 @@ def main_prepare(
         f"train {s['train']['num_docs']} docs {s['train']['num_tokens']:,} tokens; "
         f"val {s['val']['num_docs']} docs {s['val']['num_tokens']:,} tokens"
     )
+    if s["val"]["num_docs"] == 0:  # prepared as asked, but `wanka train` will refuse it
+        print(f"{out_dir}: no validation documents: `wanka train` needs some; whole documents "
+              "are held out, so give 2 or more (and --val-fraction above 0)", file=sys.stderr)  # fmt: skip
     return 0
 
 
