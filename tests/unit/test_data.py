@@ -369,7 +369,11 @@ def test_loader_rejects_dataset_too_small(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="too few"):
         PackedLoader(TokenDataset(out, "train"), SEQ, 1, 0, 1, seed=0)
-    with pytest.raises(ValueError, match="fewer than one window"):
+    with pytest.raises(ValueError, match="val split of .* is empty"):  # val_fraction 0
+        validation_batches(TokenDataset(out, "val"), SEQ, 1, 1, 0, 1)
+    out = prepare_documents([Document("a", "abc" * 40), Document("b", "d")], tmp_path / "ds2",
+                            ByteTokenizer(), val_fraction=0.5, min_val_chars=0)  # fmt: skip
+    with pytest.raises(ValueError, match="fewer than one window"):  # "d": 1 token
         validation_batches(TokenDataset(out, "val"), SEQ, 1, 1, 0, 1)
 
 
