@@ -4,6 +4,7 @@ checkpointing, then FSDP2 (with its mixed-precision policy)."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -95,6 +96,10 @@ def parallelize(
     # parameters gathered from forward to backward (ZeRO-2 style, more memory) leaves FSDP no
     # collective in backward but the gradient reduce-scatters, whose order the graph fixes.
     reshard = not dims.cp_enabled
+    # A block returns its attention's (k, v) in AttnAux.keys for the MTP drafter: views of the
+    # projections, which only that drafter reads, never in place, so FSDP2's warning about an
+    # in-place op on a returned view cannot apply; said on every run, it only alarmed users.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view")
     for block in checkpointed_blocks(model):
         if block.moe is not None and dims.ep_enabled:
             fully_shard(block.moe.experts, mesh=experts_mesh, reshard_after_forward=reshard,
