@@ -152,3 +152,60 @@ def test_resume_guards(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = [x for x in rows if x["kind"] == "train"][-1]
     assert last["step"] == 3 and last["lr"] == pytest.approx(1e-5)
+
+
+def test_init_weights_starts_a_new_run_on_other_data(tmp_path):
+    """checkpoint.init_weights: a new run (other data, so its loader could not resume) starts
+    from a trained run's weights: model only, step 0. With an lr too small to move them, its
+    final weights are the source's."""
+    import torch
+
+    from wanka.data.corpus import Document
+    from wanka.data.prepare import prepare_documents
+    from wanka.data.tokenizer import ByteTokenizer
+    from wanka.infer.load import load_trained
+
+    common = ["--set", "data.val_batches=1", "--set", "parallel.ep=1", "--set",
+              "run.tensorboard=false", "--set", "resilience.supervise=false",
+              "--set", "model.bias_update_rate=0"]  # fmt: skip
+    src = tmp_path / "src"
+    r = wanka("train", *common, "--set", "train.steps=2", "--set", f'run.dir="{src}"')
+    assert r.returncode == 0, r.stderr[-2000:]
+    docs = [Document(f"d{i}", f"other text {i} " * 400) for i in range(40)]
+    data = prepare_documents(docs, tmp_path / "mine", ByteTokenizer(), 0.1)
+    new = [*common, "--set", f'data.path="{data}"', "--set", "train.steps=1",
+           "--set", "train.warmup_steps=0", "--set", f'run.dir="{tmp_path / "new"}"']  # fmt: skip
+    # Resuming the source run on other data is refused, naming the way out.
+    r = wanka("train", *common, "--set", "train.steps=3", "--set", f'data.path="{data}"',
+              "--set", f'run.dir="{src}"')  # fmt: skip
+    assert r.returncode == 2 and "checkpoint.init_weights" in r.stderr, r.stderr[-2000:]
+    r = wanka(
+        "train",
+        *new,
+        "--set",
+        "train.lr=1e-12",
+        "--set",
+        "train.indexer_lr=0",
+        "--set",
+        "model.bias_update_rate=0",
+        "--set",
+        f'checkpoint.init_weights="{src}"',
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "starting from the weights of" in (tmp_path / "new" / "logs" / "rank0.log").read_text()
+    rows = [json.loads(x) for x in (tmp_path / "new" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if x["kind"] == "train"] == [1]
+    a, b = (load_trained(d)[0].state_dict() for d in (src, tmp_path / "new"))
+    moved = [k for k in a if not torch.allclose(a[k], b[k], atol=1e-6)]
+    assert not moved, moved
+    # Bad sources: one line each.
+    for given, says in [(tmp_path / "mine", "holds no complete checkpoint"),
+                        (tmp_path / "absent", "no checkpoint directory")]:  # fmt: skip
+        (tmp_path / "mine" / "checkpoints").mkdir(exist_ok=True)
+        r = wanka("train", *new, "--set", f'checkpoint.init_weights="{given}"',
+                  "--set", f'run.dir="{tmp_path / "bad"}"')  # fmt: skip
+        assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = wanka("train", *new, "--set", "model.n_layers=3", "--set", f'checkpoint.init_weights="{src}"',
+              "--set", f'run.dir="{tmp_path / "bad2"}"')  # fmt: skip
+    assert r.returncode == 2 and "checkpoint.init_weights" in r.stderr, r.stderr[-2000:]

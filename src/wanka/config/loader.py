@@ -60,7 +60,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # Fields holding one path: "~/data" in a TOML file reaches no shell, so it is expanded here.
 PATH_FIELDS = ("data.path", "data.tokenizer", "data.cache_dir", "parallel.cp_cost",
-               "checkpoint.load", "run.dir", "resilience.snapshot_dir", "resilience.ledger",
+               "checkpoint.load", "checkpoint.init_weights", "run.dir", "resilience.snapshot_dir", "resilience.ledger",
                "post.init", "post.prompts")  # fmt: skip
 
 
@@ -252,6 +252,10 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("train.min_lr_ratio", "must be in [0, 1]")
     if cfg.checkpoint.every < 0:
         raise ConfigError("checkpoint.every", "must be >= 0 (0 = Young/Daly interval)")
+    if cfg.checkpoint.init_weights and cfg.checkpoint.load not in ("latest", "none"):
+        raise ConfigError("checkpoint.init_weights", "is set together with checkpoint.load="
+                          f"{cfg.checkpoint.load!r}", "set one: load resumes a run (optimizer, "
+                          "step, data position), init_weights starts a new one from weights")  # fmt: skip
     if cfg.checkpoint.mtbf_s <= 0:
         raise ConfigError("checkpoint.mtbf_s", "must be positive")
     if t.eval_every <= 0:

@@ -156,6 +156,9 @@ class CheckpointConfig:
     async_save: bool = False
     keep: int = 2
     load: str = "latest"  # "latest", "none", or a checkpoint directory
+    # A new run starts from these weights (a checkpoint, or a run directory's newest): model
+    # only, fresh optimizer, step 0, the data from its start (fine-tuning on other data).
+    init_weights: str = ""
 
 
 @dataclass

@@ -147,8 +147,11 @@ class PackedLoader:
         for key in ("seed", "seq_len", "windows_per_epoch"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"loader state has {key}={state[key]} but this loader has "
-                    f"{getattr(self, key)}; resume with the same data and settings"
+                    f"the checkpoint's data loader had {key}={state[key]}, this job's has "
+                    f"{getattr(self, key)} (it follows data.path, data.seq_len, "
+                    "train.micro_batch_size, train.seed and the data-parallel degree): resume "
+                    "with the settings it was saved with, or start a new run.dir from its "
+                    "weights with checkpoint.init_weights"
                 )
         self.epoch = int(state["epoch"])
         self.window = int(state["window"])

@@ -463,9 +463,11 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError):
             return 0
 
-    def load(self, path: Path, train_template: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: Path, train_template: dict[str, Any],
+             weights_only: bool = False) -> dict[str, Any]:  # fmt: skip
         """Restore model + optimizer in place; return the saved train state. The template must
-        hold every key the saved train state has (its values are replaced)."""
+        hold every key the saved train state has (its values are replaced). weights_only: the
+        model alone (checkpoint.init_weights): optimizer, RNG and the rest stay as built."""
         if not path.is_dir():
             raise ValueError(f"no checkpoint directory {path}: fix checkpoint.load")
         if not (path / MARKER).is_file() and (path / "checkpoints").is_dir():
@@ -486,7 +488,7 @@ class Checkpointer:
         state["train"] = {"step": 0, "rng": torch.get_rng_state(), **template}
         # A model-only checkpoint (`wanka import` of a Hugging Face model): weights are loaded,
         # the optimizer starts fresh.
-        with_optim = any(k.startswith("optim.") for k in saved_keys)
+        with_optim = not weights_only and any(k.startswith("optim.") for k in saved_keys)
         if not with_optim:
             del state["optim"]
         try:
@@ -503,6 +505,8 @@ class Checkpointer:
                            optim_state_dict=state["optim"])  # fmt: skip
         else:
             set_model_state_dict(self.model, state["model"])
+        if weights_only:
+            return state["train"]
         torch.set_rng_state(state["train"]["rng"])
         self._load_rank_local(path)
         return state["train"]

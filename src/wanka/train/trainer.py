@@ -36,7 +36,7 @@ from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
-from wanka.train.checkpoint import Checkpointer, SaveSchedule
+from wanka.train.checkpoint import Checkpointer, SaveSchedule, complete_checkpoints
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import (
     apply_hyperparameters,
@@ -600,6 +600,8 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             ckpt.say_none_usable(f"resuming from the in-memory snapshot of step {step}")
             log.info("resumed from the in-memory snapshot of step %d", step)
             return step
+    if path is None and job.cfg.checkpoint.init_weights:
+        return _init_weights(job, ckpt, info)
     if path is None:
         ckpt.say_none_usable()  # "no usable checkpoint in ...; starting from step 0" if damaged
         info.update(source="none", step=0)
@@ -614,6 +616,26 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
     _note_schedule_change(job, state.get("lr_schedule"), int(state["step"]), info)
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
+
+
+def _init_weights(job: Job, ckpt: Checkpointer, info: dict) -> int:
+    """A new run from another run's weights (checkpoint.init_weights): the model only, checked
+    against this run's [model] config; optimizer, step and data start fresh."""
+    given = Path(job.cfg.checkpoint.init_weights)
+    path = given
+    if (given / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
+        done = complete_checkpoints(given / "checkpoints")  # (read only: not our run)
+        path = done[-1] if done else None
+        if path is None:
+            raise ValueError(f"checkpoint.init_weights={str(given)!r} holds no complete "
+                             "checkpoint: point it at a trained run or one of its checkpoints")  # fmt: skip
+    try:
+        ckpt.load(path, {"model_config": _train_state(job)["model_config"]}, weights_only=True)
+    except ValueError as e:
+        raise ValueError(f"checkpoint.init_weights: {e}") from None
+    info.update(source="init_weights", step=0)
+    log.info("starting from the weights of %s (optimizer, step and data fresh)", path)
+    return 0
 
 
 def _peak_memory_mb(device: torch.device) -> float:
