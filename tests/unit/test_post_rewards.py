@@ -324,6 +324,10 @@ def _one(value=None, exc=None):
         ),  # fmt: skip
         (_one(exc=KeyError()), r"raised KeyError on a completion"),
         (_one(exc=SystemExit(3)), r"raised SystemExit: 3"),
+        (
+            _one(exc=type("FunctionTimedOut", (BaseException,), {})("2 s")),
+            r"raised FunctionTimedOut: 2 s",
+        ),  # fmt: skip
         (_one("0.5"), r"returned '0.5' \(str\)"),
         (_one(None), r"returned None \(NoneType\)"),
         (_one([1.0]), r"returned \[1.0\] \(list\)"),
@@ -373,3 +377,11 @@ def test_numeric_rewards_of_any_number_type_are_taken() -> None:
     values = iter([True, np.float32(0.5), torch.tensor(-2.0), 7])
     got = _rewards(lambda p, c, d: next(values), prompts, ["c"] * 4, "my:fn")
     assert got.tolist() == [1.0, 0.5, -2.0, 7.0]
+
+
+def test_ctrl_c_inside_a_reward_is_not_the_rewards_fault() -> None:
+    from wanka.post.prompts import TaggedPrompt
+    from wanka.post.rl import _rewards
+
+    with pytest.raises(KeyboardInterrupt):
+        _rewards(_one(exc=KeyboardInterrupt()), [TaggedPrompt("p", "code")], ["x"], "m:f")

@@ -76,7 +76,9 @@ def _rewards(reward: Reward, prompts, texts: list[str], spec: str) -> torch.Tens
     for x, t in zip(prompts, texts):
         try:
             got = reward(x.text, t, x.domain)
-        except (Exception, SystemExit) as e:
+        except (KeyboardInterrupt, GeneratorExit):
+            raise  # Ctrl-C is the user's stop, not the reward's fault
+        except BaseException as e:  # timeout libraries raise BaseException subclasses too
             log.error(
                 "post.reward=%r raised on this completion of a %r prompt:\n%r",
                 spec,
