@@ -241,3 +241,34 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_one_line(base, tmp_path, e
                        r"model of .*config.toml \(.*(Missing key|[Ss]ize mismatch)") as info:  # fmt: skip
         load_weights(model, teacher, "teacher for 'code'")
     assert "\n" not in str(info.value)
+
+
+def test_distill_refuses_a_teacher_with_nan_weights(base, tmp_path):
+    """A teacher whose checkpoint holds NaN gave NaN held-out losses and skipped updates, and
+    the job still ended 0: it now stops before training, in one line naming the teacher."""
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    from wanka.train.checkpoint import write_manifest
+
+    bad = tmp_path / "bad"
+    shutil.copytree(base, bad, ignore=shutil.ignore_patterns("checkpoints"))
+    [src] = sorted((base / "checkpoints").glob("step-*"))
+    flat = tmp_path / "flat.pt"
+    dcp_to_torch_save(src, flat)
+    state = torch.load(flat, weights_only=False)
+    key = next(k for k in state["model"] if k.endswith("norm.weight"))
+    state["model"][key] = torch.full_like(state["model"][key], float("nan"))
+    torch.save(state, flat)
+    step = bad / "checkpoints" / src.name
+    torch_save_to_dcp(flat, step)
+    write_manifest(step, int(src.name.split("-")[1]))
+    given = [f"run.dir={tmp_path / 'out'}", f"post.init={base}", "train.steps=2",
+             f"post.teachers=code={bad},prose={base}", "post.completion_tokens=8",
+             "post.eval_prompts=2", "post.prompts_per_step=1", "run.tensorboard=false",
+             "resilience.supervise=false"]  # fmt: skip
+    r = wanka("distill", "configs/distill.toml", *sets(*given))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "the teacher for 'code' gives a non-finite loss" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "out" / "checkpoints").exists()

@@ -9,6 +9,7 @@ reverse KL(student || teacher): dense feedback on exactly the mistakes the stude
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -245,6 +246,10 @@ def main(cfg: JobConfig) -> dict[str, float]:
     if job.start_step == 0:  # the targets the student is measured against, once
         for d, model in teachers.models.items():
             losses = held_out_loss(job, model, names)
+            if not all(math.isfinite(v) for v in losses.values()):  # same on every rank
+                raise ValueError(f"the teacher for {d!r} gives a non-finite loss on the "
+                                 "held-out prompts: its weights hold NaN/Inf; point "
+                                 "post.teachers at a healthy checkpoint")  # fmt: skip
             job.metrics.log_event("teacher_eval", 0, teacher=d, **{f"val_loss/{k}": v
                                                                   for k, v in losses.items()})  # fmt: skip
 
