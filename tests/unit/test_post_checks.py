@@ -165,3 +165,14 @@ def test_far_too_many_builtin_held_out_prompts_are_refused_at_once(tmp_path) -> 
     cfg = job(tmp_path, tmp_path / "out", run_dir(tmp_path / "base"), "post.eval_prompts=100000")
     with pytest.raises(ValueError, match="post.eval_prompts=100000: .* ask for at most 2000"):
         check_common(cfg, True)
+
+
+def test_a_teacher_shorter_than_the_job_names_the_job_setting() -> None:
+    from wanka.config import load_config
+    from wanka.post.checks import check_frozen_model
+
+    cfg = load_config(None, ["data.seq_len=128", "parallel.ep=1"])
+    teacher = load_config(None, ["model.max_seq_len=64", "data.seq_len=64"]).model
+    with pytest.raises(ValueError, match=r"teacher for 'code': its model.max_seq_len=64 is below "
+                                         r"this job's data.seq_len=128: lower data.seq_len"):  # fmt: skip
+        check_frozen_model(cfg, teacher, "teacher for 'code'")
