@@ -162,3 +162,23 @@ def test_one_token_documents_have_nothing_to_predict(tmp_path, capsys):
     # One two-token document is enough to train on.
     words.write_text(words.read_text() + '{"text": "ab"}\n')
     assert main_prepare([str(words)], str(tmp_path / "o"), None, 0.0, 0) == 0
+
+
+def test_folders_skip_hidden_files_and_read_a_file_once(tmp_path, capsys):
+    docs = _docs(tmp_path, n=30)
+    (docs / ".venv" / "lib").mkdir(parents=True)
+    (docs / ".venv" / "lib" / "LICENSE.txt").write_text("not a document " * 100)
+    (docs / ".hidden.txt").write_text("nor this " * 100)
+    (docs / "UPPER.TXT").write_text("an upper-case suffix is a text file too " * 30)
+    first = docs / "000.txt"
+    inputs = [str(docs), str(first), str(first.resolve()), str(first)]
+    assert main_prepare(inputs, str(tmp_path / "o"), None, 0.1, 0) == 0
+    s = read_meta(tmp_path / "o")["splits"]
+    assert s["train"]["num_docs"] + s["val"]["num_docs"] == 31  # 30 + UPPER.TXT, each once
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for name in ("a.md", "b.md", "c.json"):
+        (notes / name).write_text("# text")
+    assert main_prepare([str(notes)], str(tmp_path / "o2"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err
+    assert "holds no .txt or .jsonl files (it holds 2 .md, 1 .json)" in err

@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -216,18 +217,27 @@ def _check_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
 def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
     """``.txt``: one document per file; ``.jsonl``: one document per line (field "text").
 
-    A directory stands for the ``.txt`` and ``.jsonl`` files below it, in sorted order.
+    A directory stands for the ``.txt`` and ``.jsonl`` files below it, in sorted order, but
+    not those under hidden folders (.git, .venv) or hidden themselves. A file named twice (a
+    folder and a file in it, or two spellings of one path) is read once.
     """
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl"))
+            found = folder_files(p)
+            if not found:
+                raise ValueError(f"{p} holds no .txt or .jsonl files{_other_kinds(p)}: wanka "
+                                 "reads .txt (a document per file) and .jsonl ({\"text\": ...} "
+                                 "per line)")  # fmt: skip
+            files += found
         elif not p.is_file():
             raise ValueError(f"input not found: {p}")
-        elif p.suffix not in (".txt", ".jsonl"):
+        elif p.suffix.lower() not in (".txt", ".jsonl"):
             raise ValueError(f"unsupported input {p}: expected .txt or .jsonl")
         else:
             files.append(p)
+    seen: set[Path] = set()
+    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     docs = []
     for f in files:
         try:
@@ -242,6 +252,21 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
     return docs
 
 
+def folder_files(folder: Path) -> list[Path]:
+    """The .txt and .jsonl files below a folder, sorted; hidden files and folders left out."""
+    return sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".txt", ".jsonl")
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))  # fmt: skip
+
+
+def _other_kinds(folder: Path) -> str:
+    """' (it holds 3 .md, 1 .json)': the file kinds a folder holds instead."""
+    kinds = Counter(f.suffix.lower() or "no suffix" for f in folder.rglob("*") if f.is_file()
+                    and not any(p.startswith(".") for p in f.relative_to(folder).parts))  # fmt: skip
+    if not kinds:
+        return " (it is empty)"
+    return " (it holds " + ", ".join(f"{n} {k}" for k, n in kinds.most_common(4)) + ")"
+
+
 def input_sources(paths: Sequence[str]) -> list:
     """What a prepared dataset was made from: each input file's path, size and mtime (and
     "builtin"), so preparing into an existing --out from other inputs is noticed."""
@@ -250,10 +275,7 @@ def input_sources(paths: Sequence[str]) -> list:
         if str(p) == "builtin":
             out.append("builtin")
             continue
-        files = (
-            sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl")) if p.is_dir() else [p]
-        )
-        for f in files:
+        for f in folder_files(p) if p.is_dir() else [p]:
             st = f.stat()
             out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     return out
@@ -261,7 +283,7 @@ def input_sources(paths: Sequence[str]) -> list:
 
 def _read_documents(f: Path) -> list[Document]:
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text.
-    if f.suffix == ".txt":
+    if f.suffix.lower() == ".txt":
         return [Document(str(f), f.read_text(encoding="utf-8-sig"))]
     docs = []
     with open(f, encoding="utf-8-sig") as fh:
