@@ -105,8 +105,10 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         from wanka.resilience.chaos import parse_schedule
         from wanka.resilience.supervisor import Supervisor
 
-        chaos = parse_schedule(args.chaos) if args.chaos else None
+        chaos = parse_schedule(args.chaos, args.nproc * nnodes) if args.chaos else None
         return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
+    if args.chaos:  # the supervisor injects faults: without it they would silently not happen
+        raise ValueError("--chaos needs the supervisor: drop resilience.supervise=false")
     if args.nproc > 1 or args.nnodes is not None:
         rc = launch(args.nproc, rdzv, worker)
         if rc not in (0, 2):  # 2: a rank already printed the one-line reason

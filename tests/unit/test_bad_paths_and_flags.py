@@ -72,3 +72,18 @@ def test_dp_shard_message_names_only_the_bad_degree():
     with pytest.raises(ParallelError, match=r"dp_shard=-7 must be positive, or -1") as e:
         ParallelDims.from_config(load_config(None, ["parallel.dp_shard=-7"]).parallel, 4)
     assert "parallel.ep" not in str(e.value)
+
+
+def test_chaos_rank_beyond_the_job_is_refused():
+    from wanka.resilience.chaos import parse_schedule
+
+    assert parse_schedule("kill@step=1,rank=1", world=2)[0].rank == 1
+    for spec in ("kill@step=1,rank=7", "stop@step=2,rank=-1"):
+        with pytest.raises(ValueError, match=r"the job has 2 rank\(s\): 0..1"):
+            parse_schedule(spec, world=2)
+
+
+def test_chaos_without_the_supervisor_is_refused(tmp_path, capsys):
+    _one_line(capsys, ["train", "--chaos", "kill@step=1", "--set", "resilience.supervise=false",
+                       "--set", "parallel.ep=1", "--set", f'run.dir="{tmp_path / "r"}"'],
+              "--chaos needs the supervisor")  # fmt: skip

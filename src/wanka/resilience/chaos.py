@@ -81,7 +81,8 @@ class Fault:
         return self.kind + "@" + ",".join(f"{k}={v}" for k, v in keys.items() if v is not None)
 
 
-def parse_schedule(text: str) -> list[Fault]:
+def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
+    """--chaos's faults; `world` (the job's ranks, when known here) bounds their rank=."""
     faults = []
     for i, item in enumerate(s.strip() for s in text.split(";")):
         if not item:
@@ -117,6 +118,9 @@ def parse_schedule(text: str) -> list[Fault]:
             _check_node_fault(f, item)
         if kind in ("kill", "stop", "nan", "slow") and f.rank is None:
             f.rank = 0
+        if f.rank is not None and world is not None and not 0 <= f.rank < world:
+            raise ValueError(f"chaos fault {item!r}: rank={f.rank}, but the job has {world} "
+                             f"rank(s): 0..{world - 1}")  # fmt: skip
         faults.append(f)
     return faults
 
