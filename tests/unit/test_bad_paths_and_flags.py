@@ -87,3 +87,12 @@ def test_chaos_without_the_supervisor_is_refused(tmp_path, capsys):
     _one_line(capsys, ["train", "--chaos", "kill@step=1", "--set", "resilience.supervise=false",
                        "--set", "parallel.ep=1", "--set", f'run.dir="{tmp_path / "r"}"'],
               "--chaos needs the supervisor")  # fmt: skip
+
+
+def test_set_takes_what_a_shell_user_means():
+    from wanka.config import ConfigError, load_config
+
+    cfg = load_config(None, ["run.dir=2024-01-01", "train.lr=.003", "train.min_lr_ratio=1."])
+    assert cfg.run.dir == "2024-01-01" and cfg.train.lr == 0.003 and cfg.train.min_lr_ratio == 1.0
+    with pytest.raises(ConfigError, match="train.lr"):  # still a string, still refused
+        load_config(None, ["train.lr=fast"])

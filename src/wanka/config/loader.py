@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -73,6 +75,9 @@ def _expand_home(cfg: JobConfig) -> None:
             setattr(part, key, str(Path(value).expanduser()))
 
 
+_LOOSE_NUMBER = re.compile(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(
@@ -84,6 +89,12 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # bare words are strings: --set run.dir=runs/x
+        try:  # numbers TOML spells otherwise: .003, 5., +.5
+            value = float(text) if _LOOSE_NUMBER.fullmatch(text.strip()) else value
+        except ValueError:
+            pass
+    if isinstance(value, datetime.date | datetime.time):  # no field is a date: the text is meant
+        value = text.strip()
     node = raw
     for p in parts[:-1]:
         node = node.setdefault(p, {})
