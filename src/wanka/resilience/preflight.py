@@ -217,6 +217,11 @@ def _check_memory(cfg, world_size: int, nnodes: int, capacity: int | None) -> Ch
     msg = (f"estimate {need / GIB:.2f} GiB/rank (peak at {at}; {est.settings.compute_dtype} "
            f"compute, activation checkpointing {est.settings.activation_checkpointing}) vs "
            f"{capacity / GIB:.2f} GiB {where}")  # fmt: skip
+    local = world_size // max(nnodes, 1)
+    if need > capacity and device_type == "cpu" and where != "given capacity" and local > 1:
+        return CheckResult("memory", False, msg + f" ({local} ranks share this machine's RAM): "
+                           "start fewer ranks (--nproc), or lower train.micro_batch_size or "
+                           "data.seq_len")  # fmt: skip
     if need > capacity:
         return CheckResult("memory", False, msg + ": lower train.micro_batch_size or "
                            "data.seq_len, set train.activation_checkpointing, or add ranks "
