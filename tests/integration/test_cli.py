@@ -169,7 +169,8 @@ def test_init_weights_starts_a_new_run_on_other_data(tmp_path):
               "run.tensorboard=false", "--set", "resilience.supervise=false",
               "--set", "model.bias_update_rate=0"]  # fmt: skip
     src = tmp_path / "src"
-    r = wanka("train", *common, "--set", "train.steps=2", "--set", f'run.dir="{src}"')
+    r = wanka("train", *common, "--set", "train.steps=2", "--set", "checkpoint.every=1",
+              "--set", f'run.dir="{src}"')  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     docs = [Document(f"d{i}", f"other text {i} " * 400) for i in range(40)]
     data = prepare_documents(docs, tmp_path / "mine", ByteTokenizer(), 0.1)
@@ -198,8 +199,18 @@ def test_init_weights_starts_a_new_run_on_other_data(tmp_path):
     a, b = (load_trained(d)[0].state_dict() for d in (src, tmp_path / "new"))
     moved = [k for k in a if not torch.allclose(a[k], b[k], atol=1e-6)]
     assert not moved, moved
+    # A damaged newest checkpoint of the source run is passed over (and left unflagged there).
+    blob = next(p for p in sorted((src / "checkpoints" / "step-00000002").iterdir())
+                if p.suffix == ".distcp")  # fmt: skip
+    blob.write_bytes(blob.read_bytes()[:-8] + b"damaged!")
+    r = wanka("train", *new, "--set", f'checkpoint.init_weights="{src}"',
+              "--set", f'run.dir="{tmp_path / "new2"}"')  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = (tmp_path / "new2" / "logs" / "rank0.log").read_text()
+    assert "starting from the weights of" in log and "step-00000001" in log
+    assert not list((src / "checkpoints").glob("*/CORRUPT"))
     # Bad sources: one line each.
-    for given, says in [(tmp_path / "mine", "holds no complete checkpoint"),
+    for given, says in [(tmp_path / "mine", "holds no complete, undamaged checkpoint"),
                         (tmp_path / "absent", "no checkpoint directory")]:  # fmt: skip
         (tmp_path / "mine" / "checkpoints").mkdir(exist_ok=True)
         r = wanka("train", *new, "--set", f'checkpoint.init_weights="{given}"',

@@ -61,6 +61,7 @@ def base(tmp_path_factory) -> Path:
         ("draft", ["post.draft_steps=-1"], "post.draft_steps=-1"),
         ("draft", ["post.draft_steps=65", "post.completion_tokens=64"], "post.draft_steps=65"),
         ("draft", ["post.temperature=0"], "must be > 0"),
+        ("rl", ["checkpoint.init_weights=/some/run"], "set post.init instead"),
     ],
 )
 def test_bad_post_training_input_is_one_line(command, overrides, says, tmp_path, capsys):

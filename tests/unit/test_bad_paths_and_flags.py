@@ -94,5 +94,7 @@ def test_set_takes_what_a_shell_user_means():
 
     cfg = load_config(None, ["run.dir=2024-01-01", "train.lr=.003", "train.min_lr_ratio=1."])
     assert cfg.run.dir == "2024-01-01" and cfg.train.lr == 0.003 and cfg.train.min_lr_ratio == 1.0
+    assert load_config(None, ["run.dir=.5", "data.path=5."]).run.dir == ".5"  # text stays text
+    assert type(cfg.run.dir) is str
     with pytest.raises(ConfigError, match="train.lr"):  # still a string, still refused
         load_config(None, ["train.lr=fast"])

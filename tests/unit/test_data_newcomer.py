@@ -37,10 +37,11 @@ def test_one_big_document_is_not_held_out_whole(seed):
         train, val = split_documents(docs, 0.01, seed, min_val_chars=32768)
         assert [d.name for d in train] == ["book"] and [d.name for d in val] == ["notes"]
     # Drawn by hash or chosen to fill, val never holds more than half of the text.
-    docs = [Document(f"d{i}", "z" * (10 ** (i % 4 + 2))) for i in range(12)]
-    for fraction in (0.01, 0.3, 0.9):
-        train, val = split_documents(docs, fraction, seed, min_val_chars=32768)
-        assert train and val and sum(len(d.text) for d in val) <= sum(len(d.text) for d in docs) / 2
+    for sizes in ([10 ** (i % 4 + 2) for i in range(12)], [100000, 100000, 100, 1000, 100]):
+        docs = [Document(f"d{i}", "z" * n) for i, n in enumerate(sizes)]
+        for fraction in (0.01, 0.3, 0.9):
+            train, val = split_documents(docs, fraction, seed, min_val_chars=32768)
+            assert train and val and sum(len(d.text) for d in val) <= sum(sizes) / 2
 
 
 def test_val_split_smaller_than_a_batch_is_read_round_robin(tmp_path):

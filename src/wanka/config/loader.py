@@ -75,6 +75,11 @@ def _expand_home(cfg: JobConfig) -> None:
             setattr(part, key, str(Path(value).expanduser()))
 
 
+class _CliText(str):
+    """A --set value TOML did not read as a number: a str field takes it as it is; a float
+    field takes the numbers TOML spells otherwise (.003, 5., +.5)."""
+
+
 _LOOSE_NUMBER = re.compile(r"[+-]?(\d+\.\d*|\.\d+)([eE][+-]?\d+)?")
 
 
@@ -88,13 +93,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text  # bare words are strings: --set run.dir=runs/x
-        try:  # numbers TOML spells otherwise: .003, 5., +.5
-            value = float(text) if _LOOSE_NUMBER.fullmatch(text.strip()) else value
-        except ValueError:
-            pass
+        value = _CliText(text)  # bare words are strings: --set run.dir=runs/x
     if isinstance(value, datetime.date | datetime.time):  # no field is a date: the text is meant
-        value = text.strip()
+        value = _CliText(text.strip())
     node = raw
     for p in parts[:-1]:
         node = node.setdefault(p, {})
@@ -145,6 +146,10 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if tp is float and isinstance(value, _CliText) and _LOOSE_NUMBER.fullmatch(value.strip()):
+        value = float(value)
+    if isinstance(value, _CliText):
+        value = str(value)  # stored as a plain str (dump_toml, comparisons)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
     if tp is float and not math.isfinite(value):

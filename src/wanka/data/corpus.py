@@ -82,7 +82,7 @@ def split_documents(
     target = min(min_val_chars, total // 10)
     # A document chosen to fill val (not drawn by its hash) must not hold out much more than
     # asked: one big file would otherwise leave a sliver to train on.
-    cap = max(2 * target, total // 10, int(total * val_fraction))
+    cap = min(max(2 * target, total // 10, int(total * val_fraction)), total // 2)
     by_hash = sorted(range(len(docs)), key=scores.__getitem__)
     while sum(s for s, v in zip(size, is_val) if v) > total // 2:  # drawn: never past half
         is_val[max((i for i in by_hash if is_val[i]), key=size.__getitem__)] = False

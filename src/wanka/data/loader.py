@@ -148,10 +148,9 @@ class PackedLoader:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"the checkpoint's data loader had {key}={state[key]}, this job's has "
-                    f"{getattr(self, key)} (it follows data.path, data.seq_len, "
-                    "train.micro_batch_size, train.seed and the data-parallel degree): resume "
-                    "with the settings it was saved with, or start a new run.dir from its "
-                    "weights with checkpoint.init_weights"
+                    f"{getattr(self, key)} (they follow data.path, data.seq_len and "
+                    "train.seed): resume with the settings it was saved with, or start a new "
+                    "run.dir from its weights with checkpoint.init_weights"
                 )
         self.epoch = int(state["epoch"])
         self.window = int(state["window"])

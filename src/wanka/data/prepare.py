@@ -182,8 +182,13 @@ def prepare_documents(
         if replace and out_dir.exists():  # the old dataset goes only once the new one is built
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
             os.rename(out_dir, old / out_dir.name)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.rename(tmp, out_dir)
+            except OSError:
+                os.rename(old / out_dir.name, out_dir)  # the old dataset back where it was
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             try:
                 os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir

@@ -55,6 +55,9 @@ def check_common(cfg: JobConfig, samples_from_policy: bool, references_for: str 
     continuations, when it does: every training prompt must then have one. Returns the
     domains the job trains on."""
     p = cfg.post
+    if cfg.checkpoint.init_weights:
+        raise ValueError("checkpoint.init_weights is `wanka train`'s: post-training starts from "
+                         "post.init's weights; set post.init instead")  # fmt: skip
     positive = {"post.prompts_per_step": p.prompts_per_step,
                 "post.completion_tokens": p.completion_tokens, "post.prompt_chars": p.prompt_chars,
                 "post.samples_per_prompt": p.samples_per_prompt, "train.eval_every": cfg.train.eval_every}  # fmt: skip
@@ -155,7 +158,7 @@ def check_run_dir(cfg: JobConfig, command: str, reads: dict[str, str],
             raise ValueError(f"run.dir={cfg.run.dir} is also {role}: the job would "
                              "write its config, metrics and checkpoints over the run it reads; "
                              "set run.dir to a new directory")  # fmt: skip
-    if (out / "config.toml").is_file():
+    if (out / "config.toml").is_file() or (out / COMMAND_FILE).is_file():
         try:
             made_by = (out / COMMAND_FILE).read_text().strip()
         except OSError:

@@ -126,7 +126,6 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     runtime.progress.enter("init")
     if rank == 0:  # which command made the run: another is refused on it (checks.py)
         (run_dir / COMMAND_FILE).write_text(command + "\n")
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype = autocast_dtype(device_type, cfg.train.mixed_precision)
     policy = build_sharded(cfg.model, dims, device, cfg.train.seed, dtype)
@@ -154,6 +153,10 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     )
     with runtime.span("restore"):
         job.start_step = _resume(job, p.init)
+    if rank == 0:  # only now, as `wanka train` does: a refused resume leaves it as it was
+        tmp = run_dir / f".config.toml.tmp{os.getpid()}"
+        tmp.write_text(dump_toml(cfg))
+        os.replace(tmp, run_dir / "config.toml")
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
     if job.is_main:

@@ -299,27 +299,36 @@ class Supervisor:
         launch_error: Exception | None = None
 
         try:
-            if self.cluster is not None:
-                self._cluster_attempt(attempt, env, out, stop)
-            else:
-                elastic_launch(self._launch_config(attempt), _worker_entry)(self.worker_argv, env)
-        except ChildFailedError as e:
-            out.codes = [f.exitcode for f in e.failures.values()]
-            out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
-        except SignalException as e:
-            if self._unstick.is_set():  # our own (see _watch): the watch named the fault
-                self._unstick.clear()
-            else:
-                out.cause, out.detail = "preempted", f"signal {e.sigval}"
-                self._preempt.set()
-        except (RendezvousError, dist.DistError) as e:  # a peer host missing, late or gone
-            launch_error = e
-        finally:
+            try:
+                if self.cluster is not None:
+                    self._cluster_attempt(attempt, env, out, stop)
+                else:
+                    elastic_launch(self._launch_config(attempt), _worker_entry)(
+                        self.worker_argv, env
+                    )
+            except ChildFailedError as e:
+                out.codes = [f.exitcode for f in e.failures.values()]
+                out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
+            except SignalException as e:
+                if not self._ours(e.sigval):
+                    out.cause, out.detail = "preempted", f"signal {e.sigval}"
+                    self._preempt.set()
+            except (RendezvousError, dist.DistError) as e:  # a peer host missing, late or gone
+                launch_error = e
+            finally:
+                # First: the agent left its own handlers behind, and a late SIGTERM of the
+                # watch's own (see _watch) must land on ours, which know it.
+                self._catch_stop_requests()
+                stop.set()
+                watcher.join()
+        except SignalException as e:  # ours, delivered between the agent's return and the swap
+            if not self._ours(e.sigval):
+                raise
+            self._catch_stop_requests()
             stop.set()
             watcher.join()
-            if not self.follows:  # learned from every host's ranks by the coordinator only
-                self.timeouts.save()
-            self._catch_stop_requests()  # the agent left its own handlers behind
+        if not self.follows:  # learned from every host's ranks by the coordinator only
+            self.timeouts.save()
         if launch_error is not None and out.cause == "success":  # unless the watch named it
             out.cause = "startup_failure" if out.max_step < 0 else "process_crash"
             first = (str(launch_error).strip().splitlines() or [""])[0][:200]
@@ -369,10 +378,15 @@ class Supervisor:
             signal.signal(sig, self._on_stop_request)
 
     def _on_stop_request(self, signum: int, _frame) -> None:
-        if signum == signal.SIGTERM and self._unstick.is_set():  # ours, arriving late
+        if not self._ours(signum):
+            self._preempt.set()
+
+    def _ours(self, signum) -> bool:
+        """Whether a SIGTERM is the one the watch sent to stop a stuck launcher (consumed)."""
+        if signum == signal.SIGTERM and self._unstick.is_set():
             self._unstick.clear()
-            return
-        self._preempt.set()
+            return True
+        return False
 
     def _fits(self, nodes: int) -> bool:
         from wanka.distributed.parallel_dims import ParallelDims, ParallelError

@@ -463,22 +463,26 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError):
             return 0
 
-    def load(self, path: Path, train_template: dict[str, Any],
-             weights_only: bool = False) -> dict[str, Any]:  # fmt: skip
+    def load(self, path: Path, train_template: dict[str, Any], weights_only: bool = False,
+             field: str = "checkpoint.load") -> dict[str, Any]:  # fmt: skip
         """Restore model + optimizer in place; return the saved train state. The template must
         hold every key the saved train state has (its values are replaced). weights_only: the
-        model alone (checkpoint.init_weights): optimizer, RNG and the rest stay as built."""
+        model alone (checkpoint.init_weights): optimizer, RNG and the rest stay as built.
+        `field`: the setting that named the checkpoint, which the errors point at."""
+        resuming = not weights_only
         if not path.is_dir():
-            raise ValueError(f"no checkpoint directory {path}: fix checkpoint.load")
-        if not (path / MARKER).is_file() and (path / "checkpoints").is_dir():
+            raise ValueError(f"{field}: no checkpoint directory {path}: fix {field}")
+        if not (path / MARKER).is_file() and (path / "checkpoints").is_dir() and resuming:
             raise ValueError(f"checkpoint.load={str(path)!r} is a run directory, not one of its "
                              f"checkpoints: point it at {path / 'checkpoints'}/step-N")  # fmt: skip
         if not (path / MARKER).is_file():
-            raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): "
-                             "pick an earlier one or set checkpoint.load='none'")  # fmt: skip
+            raise ValueError(f"{field}: checkpoint {path} is incomplete (no {MARKER} marker): "
+                             + ("pick an earlier one or set checkpoint.load='none'" if resuming
+                                else "point it at a complete checkpoint, or at its run directory"))  # fmt: skip
         if (problem := verify(path)) is not None:
-            raise ValueError(f"checkpoint {problem}: pick an earlier one, or 'latest' "
-                             "(which skips damaged checkpoints)")  # fmt: skip
+            raise ValueError(f"{field}: checkpoint {problem}: pick an earlier one"
+                             + (", or 'latest' (which skips damaged checkpoints)" if resuming
+                                else ", or its run directory (the newest sound one is taken)"))  # fmt: skip
         state = self._state()
         # Train-state keys newer than this checkpoint (e.g. lr_schedule) are skipped, not
         # required: DCP would refuse a key the checkpoint lacks. Nested dicts flatten to "a.b".
@@ -491,15 +495,17 @@ class Checkpointer:
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved_keys)
         if not with_optim:
             del state["optim"]
+        fix = ("use the model config it was saved with, or a new run.dir" if resuming else
+               "set this run's [model] to the one it was saved with")  # fmt: skip
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # missing keys / shape mismatches
-            raise ValueError(f"checkpoint {path} does not fit this model ({_last_line(e)}); "
-                             "use the model config it was saved with, or a new run.dir") from None  # fmt: skip
+            raise ValueError(f"{field}: checkpoint {path} does not fit this model "
+                             f"({_last_line(e)}); {fix}") from None  # fmt: skip
         saved, now = state["train"].get("model_config"), train_template.get("model_config")
         if saved != now and not same_model(saved, now):
-            raise ValueError(f"checkpoint {path} was saved with another [model] config "
-                             f"({model_diff(saved, now)}): restore those values or use a new run.dir")  # fmt: skip
+            raise ValueError(f"{field}: checkpoint {path} was saved with another [model] config "
+                             f"({model_diff(saved, now)}): {fix}")  # fmt: skip
         if with_optim:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])  # fmt: skip

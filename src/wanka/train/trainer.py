@@ -36,7 +36,7 @@ from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
-from wanka.train.checkpoint import Checkpointer, SaveSchedule, complete_checkpoints
+from wanka.train.checkpoint import Checkpointer, SaveSchedule, complete_checkpoints, verify
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import (
     apply_hyperparameters,
@@ -601,6 +601,7 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             log.info("resumed from the in-memory snapshot of step %d", step)
             return step
     if path is None and job.cfg.checkpoint.init_weights:
+        ckpt.say_none_usable("starting from checkpoint.init_weights")  # if its own are damaged
         return _init_weights(job, ckpt, info)
     if path is None:
         ckpt.say_none_usable()  # "no usable checkpoint in ...; starting from step 0" if damaged
@@ -623,16 +624,15 @@ def _init_weights(job: Job, ckpt: Checkpointer, info: dict) -> int:
     against this run's [model] config; optimizer, step and data start fresh."""
     given = Path(job.cfg.checkpoint.init_weights)
     path = given
-    if (given / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        done = complete_checkpoints(given / "checkpoints")  # (read only: not our run)
-        path = done[-1] if done else None
+    if (given / "checkpoints").is_dir():  # a run directory: its newest sound checkpoint
+        done = [p for p in complete_checkpoints(given / "checkpoints") if verify(p) is None]
+        path = done[-1] if done else None  # (read only: damaged ones are not flagged there)
         if path is None:
-            raise ValueError(f"checkpoint.init_weights={str(given)!r} holds no complete "
-                             "checkpoint: point it at a trained run or one of its checkpoints")  # fmt: skip
-    try:
-        ckpt.load(path, {"model_config": _train_state(job)["model_config"]}, weights_only=True)
-    except ValueError as e:
-        raise ValueError(f"checkpoint.init_weights: {e}") from None
+            raise ValueError(f"checkpoint.init_weights={str(given)!r} holds no complete, "
+                             "undamaged checkpoint: point it at a trained run or one of its "
+                             "checkpoints")  # fmt: skip
+    ckpt.load(path, {"model_config": _train_state(job)["model_config"]}, weights_only=True,
+              field="checkpoint.init_weights")  # fmt: skip
     info.update(source="init_weights", step=0)
     log.info("starting from the weights of %s (optimizer, step and data fresh)", path)
     return 0
