@@ -82,7 +82,10 @@ def keep_freed_host_memory() -> None:
     a CPU step pays page faults its work does not need (kernel time that also varies run to
     run on a shared VM). Fixed thresholds keep freed blocks in the heap, as a long-running
     process reaches anyway; blocks above 32 MiB (glibc's ceiling) are still mapped per use.
-    A no-op where the C library is not glibc."""
+    A no-op where the C library is not glibc, or with WANKA_HOST_MALLOC=default (to compare:
+    benchmarks/host_malloc_ab.py)."""
+    if os.environ.get("WANKA_HOST_MALLOC", "") == "default":
+        return
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD

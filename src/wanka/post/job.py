@@ -23,7 +23,13 @@ import torch.distributed as dist
 from wanka.config.loader import dump_toml
 from wanka.config.schema import JobConfig
 from wanka.data.tokenizer import load_tokenizer
-from wanka.device import autocast_dtype, dist_backend, local_device, resolve_device_type
+from wanka.device import (
+    autocast_dtype,
+    dist_backend,
+    keep_freed_host_memory,
+    local_device,
+    resolve_device_type,
+)
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
@@ -108,6 +114,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     the other commands train everything else."""
     p = cfg.post
     device_type = resolve_device_type(cfg.run.device)
+    if device_type == "cpu":  # as `wanka train`: freed blocks stay in the heap
+        keep_freed_host_memory()
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device_type))
     rank, world = dist.get_rank(), dist.get_world_size()
