@@ -82,9 +82,13 @@ def keep_freed_host_memory() -> None:
     a CPU step pays page faults its work does not need (kernel time that also varies run to
     run on a shared VM). Fixed thresholds keep freed blocks in the heap, as a long-running
     process reaches anyway; blocks above 32 MiB (glibc's ceiling) are still mapped per use.
-    A no-op where the C library is not glibc, or with WANKA_HOST_MALLOC=default (to compare:
+    A no-op where the C library is not glibc, where the environment sets glibc's own malloc
+    options (MALLOC_*_ or GLIBC_TUNABLES: `wanka bench memory` pins a low mmap threshold so
+    RSS follows the allocations), or with WANKA_HOST_MALLOC=default (to compare:
     benchmarks/host_malloc_ab.py)."""
-    if os.environ.get("WANKA_HOST_MALLOC", "") == "default":
+    if os.environ.get("WANKA_HOST_MALLOC", "") == "default" or any(
+        k == "GLIBC_TUNABLES" or (k.startswith("MALLOC_") and k.endswith("_")) for k in os.environ
+    ):
         return
     try:
         libc = ctypes.CDLL(None)

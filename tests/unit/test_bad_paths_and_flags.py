@@ -98,3 +98,32 @@ def test_set_takes_what_a_shell_user_means():
     assert type(cfg.run.dir) is str
     with pytest.raises(ConfigError, match="train.lr"):  # still a string, still refused
         load_config(None, ["train.lr=fast"])
+
+
+@pytest.mark.parametrize(
+    "env, calls",
+    [
+        ({}, 2),
+        ({"WANKA_HOST_MALLOC": "default"}, 0),
+        ({"MALLOC_MMAP_THRESHOLD_": "65536"}, 0),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}, 0),
+    ],  # fmt: skip
+)
+def test_host_malloc_tuning_yields_to_explicit_settings(monkeypatch, env, calls):
+    """`wanka bench memory` pins glibc's mmap threshold so RSS follows the allocations: the
+    trainer's own tuning must not override it (it inflated the measured peaks by 33-50%)."""
+    import wanka.device as device
+
+    for k in ("WANKA_HOST_MALLOC", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    made = []
+
+    class Libc:
+        def mallopt(self, *args):
+            made.append(args)
+
+    monkeypatch.setattr(device.ctypes, "CDLL", lambda *a: Libc())
+    device.keep_freed_host_memory()
+    assert len(made) == calls
