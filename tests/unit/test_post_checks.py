@@ -176,3 +176,16 @@ def test_a_teacher_shorter_than_the_job_names_the_job_setting() -> None:
     with pytest.raises(ValueError, match=r"teacher for 'code': its model.max_seq_len=64 is below "
                                          r"this job's data.seq_len=128: lower data.seq_len"):  # fmt: skip
         check_frozen_model(cfg, teacher, "teacher for 'code'")
+
+
+def test_post_init_finds_a_moved_runs_own_tokenizer(tmp_path) -> None:
+    from wanka.post.engine import run_config
+
+    run = tmp_path / "moved"
+    run.mkdir()
+    cfg = load_config(None, ['data.tokenizer="/gone/imported/tokenizer.json"'], check=False)
+    (run / "config.toml").write_text(dump_toml(cfg))
+    (run / "tokenizer.json").write_text("{}")  # the copy `wanka import` keeps in the run
+    assert run_config(run, "post.init").data.tokenizer == str(run / "tokenizer.json")
+    (run / "tokenizer.json").unlink()  # none to find: as written, for the loader's own error
+    assert run_config(run, "post.init").data.tokenizer == "/gone/imported/tokenizer.json"

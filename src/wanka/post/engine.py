@@ -29,7 +29,7 @@ from wanka.config.loader import load_config
 from wanka.config.schema import JobConfig, ModelConfig
 from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import parallelize
-from wanka.infer.load import find_checkpoint
+from wanka.infer.load import find_checkpoint, run_tokenizer
 from wanka.models.attention import make_ropes
 from wanka.models.transformer import Transformer
 from wanka.train.checkpoint import complete_checkpoints, model_diff, same_model
@@ -42,7 +42,11 @@ def run_config(run_dir: str | Path, role: str) -> JobConfig:
     if not path.is_file():
         raise ValueError(f"{role}: {run_dir} is not a run directory (no config.toml): pass the "
                          "run.dir of a finished `wanka train` (or `wanka import`)")  # fmt: skip
-    return load_config(path)
+    cfg = load_config(path)
+    tokenizer = run_tokenizer(Path(run_dir), cfg.data.tokenizer)  # found after a move too
+    if tokenizer != cfg.data.tokenizer:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+    return cfg
 
 
 def check_has_checkpoint(run_dir: str | Path, role: str) -> None:
