@@ -5,12 +5,14 @@ fixed ones it sets (device.keep_freed_host_memory), runs interleaved A B B A ...
     python benchmarks/host_malloc_ab.py small 512 2 8 1 2
 
 Each run is a real `wanka train` (the cases of `wanka bench train`, src/wanka/bench/train.py);
-the first 2 steps are dropped, the median step time of the rest is kept. Prints each run and the
-ratio of the medians (default / fixed: above 1 = the fixed thresholds are faster).
+the first 2 steps are dropped, the median step time of the rest is kept. Prints each run (with
+its peak memory, summary.json's peak_memory_mb) and the ratio of the medians (default / fixed:
+above 1 = the fixed thresholds are faster).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -38,7 +40,9 @@ def main(argv: list[str]) -> int:
                     print(p.stderr[-2000:], file=sys.stderr)
                     return 1
                 medians[mode].append(statistics.median(read_step_times(run / "metrics.jsonl")[2:]))
-                print(f"{mode:8s} round {r}: median step {medians[mode][-1]:.4f} s", flush=True)
+                peak = json.loads((run / "summary.json").read_text()).get("peak_memory_mb")
+                print(f"{mode:8s} round {r}: median step {medians[mode][-1]:.4f} s, "
+                      f"peak {peak:,.0f} MiB", flush=True)  # fmt: skip
     a, b = (statistics.median(medians[m]) for m in ("default", "fixed"))
     print(f"default {a:.4f} s, fixed {b:.4f} s: default / fixed = {a / b:.3f}")
     return 0

@@ -20,6 +20,22 @@ from wanka.models.transformer import Transformer
 CFG = ModelConfig(index_topk=16, max_seq_len=512, mtp_depth=1, tie_embeddings=False)
 
 
+def constant_model() -> Transformer:
+    """Logits that ignore the input (always token 7), main model and MTP alike: every draft is
+    kept."""
+    cfg = dataclasses.replace(CFG, n_layers=2)
+    model = _model(cfg, seed=5)
+    with torch.no_grad():
+        bias = torch.zeros(256)
+        bias[7] = 50.0
+        model.norm.weight.zero_()
+        model.mtp[0].norm.weight.zero_()
+        model.output = torch.nn.Linear(cfg.dim, 256)
+        model.output.weight.zero_()
+        model.output.bias.copy_(bias)
+    return model
+
+
 def _model(cfg: ModelConfig = CFG, seed: int = 0, sharp: float = 1.0) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -161,16 +177,7 @@ def test_speculation_with_a_perfect_draft_accepts_everything():
     made to copy the main model on a repetitive prompt is hard; instead check the bookkeeping
     on the trained-like case of a constant prediction): every draft is accepted and each
     verify forward yields N + 1 tokens."""
-    cfg = dataclasses.replace(CFG, n_layers=2)
-    model = _model(cfg, seed=5)
-    with torch.no_grad():  # logits independent of the input: always token 7, main and MTP
-        bias = torch.zeros(256)
-        bias[7] = 50.0
-        model.norm.weight.zero_()
-        model.mtp[0].norm.weight.zero_()
-        model.output = torch.nn.Linear(cfg.dim, 256)
-        model.output.weight.zero_()
-        model.output.bias.copy_(bias)
+    model = constant_model()
     gen = Generator(model, speculate=3)
     out = gen.generate([[1, 2, 3]], 17)[0]
     assert out == [7] * 17

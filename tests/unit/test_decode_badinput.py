@@ -16,24 +16,12 @@ from wanka.config.schema import ModelConfig
 from wanka.infer.sampling import Sampling, probabilities
 from wanka.models.transformer import Transformer
 
-from .tiny_hf import write_tiny_hf
+from .tiny_hf import imported_run, one_line_error
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gen")
-    write_tiny_hf(tmp / "hf")
-    assert main(["import", str(tmp / "hf"), "--out", str(tmp / "run")]) == 0
-    return tmp / "run"
-
-
-def one_line_error(capsys, argv: list[str], fragment: str) -> None:
-    capsys.readouterr()
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and fragment in last, err
-    assert out == "", out  # no prompt echoed or half the batches printed before the error
+    return imported_run(tmp_path_factory.mktemp("gen"))
 
 
 def test_non_finite_or_tiny_temperatures():

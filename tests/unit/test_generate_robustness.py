@@ -8,7 +8,6 @@ test_decode_badinput.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -21,28 +20,15 @@ from wanka.cli import main
 from wanka.infer.cli import read_prompts
 from wanka.infer.generate import Generator
 
-from .test_decode import CFG, _model
-from .tiny_hf import write_tiny_hf
+from .test_decode import constant_model
+from .tiny_hf import imported_run, one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gen")
-    write_tiny_hf(tmp / "hf")
-    assert main(["import", str(tmp / "hf"), "--out", str(tmp / "run")]) == 0
-    return tmp / "run"
-
-
-def one_line_error(capsys, argv: list[str], fragment: str) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and fragment in last, err
-    assert out == "", out
-    return last
+    return imported_run(tmp_path_factory.mktemp("gen"))
 
 
 def _prompts_of(tmp_path: Path, data: bytes) -> list[str]:
@@ -196,25 +182,9 @@ def test_bench_decode_flags_are_checked_first(run_dir, tmp_path, capsys):
 # -- 6. mean acceptance length ---------------------------------------------------------------
 
 
-def _perfect_drafter():
-    """Logits that ignore the input (always token 7), main model and MTP alike: every draft
-    is kept."""
-    cfg = dataclasses.replace(CFG, n_layers=2)
-    model = _model(cfg, seed=5)
-    with torch.no_grad():
-        bias = torch.zeros(256)
-        bias[7] = 50.0
-        model.norm.weight.zero_()
-        model.mtp[0].norm.weight.zero_()
-        model.output = torch.nn.Linear(cfg.dim, 256)
-        model.output.weight.zero_()
-        model.output.bias.copy_(bias)
-    return model
-
-
 @pytest.mark.parametrize("speculate,max_new", [(5, 5), (3, 2), (2, 9), (5, 1)])
 def test_mean_acceptance_length_counts_only_kept_tokens(speculate, max_new):
-    gen = Generator(_perfect_drafter(), speculate=speculate)
+    gen = Generator(constant_model(), speculate=speculate)
     out = gen.generate([[1, 2, 3]], max_new)[0]
     assert out == [7] * max_new
     s = gen.stats

@@ -27,3 +27,26 @@ def write_tiny_hf(out: Path) -> Path:
     out.mkdir(parents=True)
     write_hf(m.state_dict(), CFG, "byte", out)
     return out
+
+
+def imported_run(tmp: Path) -> Path:
+    """A run directory imported (`wanka import`) from the tiny export written into tmp/hf."""
+    from wanka.cli import main
+
+    write_tiny_hf(tmp / "hf")
+    assert main(["import", str(tmp / "hf"), "--out", str(tmp / "run")]) == 0
+    return tmp / "run"
+
+
+def one_line_error(capsys, argv: list[str], fragment: str) -> str:
+    """`wanka ARGV` exits 2 with `fragment` in its last stderr line, no traceback, and nothing
+    on stdout (no prompt echoed or half the batches printed before the error)."""
+    from wanka.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and fragment in last, err
+    assert out == "", out
+    return last

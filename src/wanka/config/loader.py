@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import difflib
 import math
+import os
 import re
 import tomllib
 import typing
@@ -374,6 +375,14 @@ def dump_toml(cfg: JobConfig) -> str:
             lines.append(f"{k} = {_toml_value(v)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def save_run_config(run_dir: Path, cfg: JobConfig) -> None:
+    """RUN_DIR/config.toml, replaced whole (a reader never sees half of it). Callers write it
+    once their resume checks passed: a refused resume must leave the run's config as it was."""
+    tmp = run_dir / f".config.toml.tmp{os.getpid()}"
+    tmp.write_text(dump_toml(cfg))
+    os.replace(tmp, run_dir / "config.toml")
 
 
 def _toml_value(v: Any) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from wanka.config.loader import dump_toml
+from wanka.config.loader import save_run_config
 from wanka.config.schema import JobConfig
 from wanka.data.tokenizer import load_tokenizer
 from wanka.device import (
@@ -162,9 +162,7 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     with runtime.span("restore"):
         job.start_step = _resume(job, p.init)
     if rank == 0:  # only now, as `wanka train` does: a refused resume leaves it as it was
-        tmp = run_dir / f".config.toml.tmp{os.getpid()}"
-        tmp.write_text(dump_toml(cfg))
-        os.replace(tmp, run_dir / "config.toml")
+        save_run_config(run_dir, cfg)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
     if job.is_main:

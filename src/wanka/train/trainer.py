@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from wanka.config import ConfigError, JobConfig, dump_toml
+from wanka.config import ConfigError, JobConfig
+from wanka.config.loader import save_run_config
 from wanka.data.loader import Batch, PackedLoader, validation_batches
 from wanka.data.prepare import NO_TARGETS, TokenDataset, ensure_builtin_dataset
 from wanka.device import (
@@ -414,9 +415,7 @@ def _run(cfg: JobConfig) -> dict:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
-        tmp = job.run_dir / f".config.toml.tmp{os.getpid()}"
-        tmp.write_text(dump_toml(cfg))
-        os.replace(tmp, job.run_dir / "config.toml")
+        save_run_config(job.run_dir, cfg)
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
     for _, var in LAUNCH_MARKS:  # this launch's: not for a process a rank may start
