@@ -104,19 +104,30 @@ def test_rl_with_a_user_reward_function(base, tmp_path):
 
 def test_a_rank_that_exits_0_mid_job_is_a_fault_not_a_hang(base, tmp_path):
     """os._exit(0) in a user's reward: torch's agent waits for the rank's return value for
-    ever; the supervisor's watch names the fault and stops the launcher (it used to hang)."""
+    ever; the supervisor's watch names the fault and stops the launcher (it used to hang).
+    The fault is the reward's (user_code), not the node's: one retry, then it gives up, and
+    the ledger counts nothing against the node."""
+    from wanka.resilience.ledger import EvictionPolicy, FaultLedger
+
     (tmp_path / "bye.py").write_text("import os\n\ndef reward(p, c, d):\n    os._exit(0)\n")
     given = [f"run.dir={tmp_path / 'rl'}", f"post.init={base}", "post.reward=bye:reward",
              "train.steps=2", "post.completion_tokens=8", "post.eval_prompts=1",
              "post.samples_per_prompt=2", "post.prompts_per_step=1", "run.tensorboard=false",
-             "resilience.supervise=true", "resilience.max_restarts=0",
+             "resilience.supervise=true", "resilience.max_restarts=3",
              f"resilience.snapshot_dir={tmp_path / 'shm'}",
              f"resilience.ledger={tmp_path / 'faults.sqlite'}"]  # fmt: skip
     r = wanka("rl", "configs/rl.toml", *sets(*given), env={"PYTHONPATH": str(tmp_path)},
-              timeout=240)  # fmt: skip
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "process_crash: rank 0 died" in r.stderr and "giving up" in r.stderr, r.stderr[-3000:]
+              timeout=300)  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "user_code (rank 0 died in the job's own code (post.reward) of step 1" in r.stderr, (
+        r.stderr[-3000:]
+    )
+    assert "failed twice at step 1" in r.stderr and "post.reward" in r.stderr, r.stderr[-3000:]
     assert "preempted" not in r.stderr and "stopped on request" not in r.stderr
+    ledger = FaultLedger(tmp_path / "faults.sqlite")
+    faults = ledger.faults()
+    assert [f.cause for f in faults] == ["user_code"]
+    assert ledger.evaluate(faults[0].node, EvictionPolicy(1, 3600, 1)) is None
 
 
 def test_supervised_rl_recovers_from_a_killed_rank_bitwise(base, tmp_path):

@@ -346,3 +346,27 @@ def test_the_first_attempts_launchers_start_under_the_preflight_only_when_warm(
     Supervisor._start_first_launchers(sup)
     assert prepared == ([(1, ["n0", "n1"])] if expect else [])
     assert (sup._warm is not None) == expect
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+def test_a_launcher_still_running_after_the_named_fault_is_stopped(monkeypatch, cluster):
+    """Ranks that exited 0 mid-job leave torch's agent waiting for their return values. Once
+    the watch named the fault: on the cluster it sets `stop` (run_attempt then kills the node
+    launchers), on one host it asks for this host's launcher to be stopped (its own SIGTERM)."""
+    import threading
+    import types
+
+    from wanka.resilience import supervisor as sv
+
+    monkeypatch.setattr(sv, "UNSTICK_AFTER_S", 0.2)
+    monkeypatch.setattr(sv, "HangMonitor", lambda timeouts: None)
+    stopped = []
+    sup = types.SimpleNamespace(cluster=STATE if cluster else None, timeouts=None,
+                                _poll=lambda *a: True,
+                                stop_stuck_launcher=lambda: stopped.append(1))  # fmt: skip
+    stop = threading.Event()
+    t = threading.Thread(target=sv.Supervisor._watch, args=(sup, None, 1, None, stop))
+    t.start()
+    t.join(5)
+    assert not t.is_alive()
+    assert stop.is_set() == cluster and stopped == ([] if cluster else [1])

@@ -257,6 +257,19 @@ def test_the_killed_rank_is_blamed_not_the_ones_that_exited_of_it(job):
     assert (f.cause, f.rank, f.node, f.state) == ("process_crash", 2, "n2", "Z")
 
 
+def test_a_death_or_hang_in_the_jobs_own_code_is_user_code_not_the_nodes(job):
+    """A rank gone (os._exit(0) in a post.reward function) or stuck while in the user_code
+    phase: cause user_code, which the ledger does not count against the node."""
+    c, agents, now = job
+    agents["n2"].publish_rank(2, record(3, "user_code", now - 0.1), "n2", "gone")
+    f = named(c, agents, now)
+    assert (f.cause, f.rank, f.node) == ("user_code", 2, "n2")
+    assert "died in the job's own code (post.reward) of step 4" in f.detail
+    agents["n2"].publish_rank(2, record(3, "user_code", now - 60.0), "n2", "S")
+    f = c.check(now)
+    assert (f.cause, f.rank) == ("user_code", 2) and "no progress" in f.detail
+
+
 def test_an_exit_code_2_is_a_user_error_with_its_words(job):
     c, agents, now = job
     agents["n1"].publish_rank(1, record(-1, "init", now), "n1", "gone")

@@ -40,19 +40,35 @@ def test_the_same_crash_twice_is_not_transient():
     assert not Supervisor._repeated(sup, killed)
 
 
+def test_the_jobs_own_code_failing_twice_at_one_step_is_not_transient():
+    """A death or hang in the user_code phase (a reward function) leaves no exception to
+    compare: the same cause at the same step and rank twice is enough."""
+    died = Outcome("user_code", rank=0, max_step=2, detail="rank 0 died in user_code of step 3")
+    hung = Outcome("user_code", rank=0, max_step=2, detail="rank 0 made no progress ...")
+    sup = types.SimpleNamespace(outcomes=[died, hung])
+    assert Supervisor._repeated(sup, hung)
+    other = Outcome("user_code", rank=0, max_step=5)
+    sup.outcomes = [died, other]
+    assert not Supervisor._repeated(sup, other)  # progress was made
+    crash = Outcome("process_crash", rank=0, max_step=2)
+    sup.outcomes = [crash, crash]
+    assert not Supervisor._repeated(sup, crash)
+
+
 def test_injected_faults_and_user_errors_do_not_count_toward_eviction(tmp_path):
     ledger = FaultLedger(tmp_path / "faults.sqlite")
     policy = EvictionPolicy(max_faults=3, window_s=3600, same_cause=2)
     for _ in range(5):
         ledger.record("job", "n1", 0, "hang", 3, "drill stop", injected=True)
         ledger.record("job", "n1", 0, "user_error", 3, "bad config")
+        ledger.record("job", "n1", 0, "user_code", 3, "rank 0 died in user_code of step 4")
     assert ledger.evaluate("n1", policy) is None
     ledger.record("job", "n1", 0, "hang", 3, "real hang")
     reason = ledger.evaluate("n1", policy)
     assert reason is None  # one real hang: below both rules
     ledger.record("job", "n1", 0, "hang", 4, "real hang again")
     assert ledger.evaluate("n1", policy) == "2 x hang within 3600 s"
-    assert len(ledger.faults("n1")) == 12  # all kept for the record
+    assert len(ledger.faults("n1")) == 17  # all kept for the record
 
 
 def test_old_ledger_gains_the_injected_column(tmp_path):

@@ -21,6 +21,21 @@ def test_entering_the_current_phase_again_records_nothing(tmp_path):
     assert read_all(tmp_path)[0].max_seconds["optimizer"] >= 0.02  # completed: now it counts
 
 
+def test_the_jobs_own_code_is_its_own_phase_then_back_to_the_one_it_interrupted(tmp_path):
+    rep = Reporter(tmp_path, rank=0, attempt=1)
+    rep.enter("forward", step=3)
+    try:
+        with rep.during("user_code"):
+            assert read_all(tmp_path)[0].phase == "user_code"
+            time.sleep(0.02)
+            raise ValueError("the reward raised")
+    except ValueError:
+        pass
+    beat = read_all(tmp_path)[0]
+    assert (beat.phase, beat.step) == ("forward", 3)
+    assert beat.max_seconds["user_code"] >= 0.02  # the code's own time is learned apart
+
+
 def test_first_optimizer_step_keeps_the_start_up_grace(tmp_path):
     """The first real optimizer step (lazy AdamW state, a loaded machine) may take longer than
     the floor; before any optimizer phase completed, that is not a hang."""

@@ -258,6 +258,29 @@ def test_a_verdict_alone_stops_the_followers_ranks(pair, monkeypatch):
     assert killed and seen.cause == "process_crash"
 
 
+def test_an_agent_still_waiting_after_the_verdict_is_stopped(pair, monkeypatch):
+    """Ranks that exited 0 mid-job (os._exit(0) in a user's reward) leave torch's agent waiting
+    for their return values: nothing would set `stop`. The watch asks the supervisor to stop
+    its launcher, once, UNSTICK_AFTER_S after the verdict (it used to loop for ever)."""
+    head, follower = pair
+    for c in (head, follower):
+        c.begin(1)
+    monkeypatch.setattr(hc, "UNSTICK_AFTER_S", 0.3)
+    stop, asked = threading.Event(), []
+
+    def stop_stuck_launcher():
+        asked.append(time.monotonic())
+        threading.Timer(0.5, stop.set).start()  # the agent ends on the signal
+
+    follower.sup.stop_stuck_launcher = stop_stuck_launcher
+    out = Outcome("process_crash", rank=0, detail="d", t_fault=1.0, t_detect=2.0, node="n0")
+    head.view.put("verdict", hc._verdict(out))
+    seen, t0 = Outcome("success"), time.monotonic()
+    threading.Timer(20.0, stop.set).start()  # a bound on the test, never reached when fixed
+    follower.watch(None, 1, seen, stop)
+    assert len(asked) == 1 and asked[0] - t0 < 5.0 and seen.cause == "process_crash"
+
+
 def test_a_frozen_coordinator_is_noticed_within_the_limit(tmp_path, monkeypatch):
     """A SIGSTOPped store host: store calls block far past their own time-out (they wait for
     TCP). The follower still fences within the limit, and waits for no answer afterwards."""

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wanka.control.store import DEAD_STATES, ControlStore, ExitReport, RankReport
-from wanka.resilience.monitor import UNWATCHED, Hang, HangMonitor, Timeouts
+from wanka.resilience.heartbeat import phase_words
+from wanka.resilience.monitor import UNWATCHED, Hang, HangMonitor, Timeouts, user_code_fault
 
 # The supervisor's exit codes (resilience/supervisor.py), not imported from there: the
 # supervisor is to import this module, and the cycle would break at import time.
@@ -255,7 +256,9 @@ class Coordinator:
             cause = "startup_failure"
             detail = f"rank {rank} died while starting ({rep.beat.phase}), {how}"
         else:
-            detail = f"rank {rank} died in {rep.beat.phase} of step {rep.beat.step + 1}, {how}"
+            where = phase_words(rep.beat.phase)
+            detail = f"rank {rank} died in {where} of step {rep.beat.step + 1}, {how}"
+            cause = user_code_fault(cause, rep.beat.phase)
         node = rep.node if rep else exit_.node if exit_ else None
         return ControlFault(cause, rank, node, detail, t_fault=now,
                             state=rep.state if rep else None)  # fmt: skip
@@ -272,7 +275,8 @@ class Coordinator:
         c = min(stuck or live, key=lambda rep: (rep.beat.step, since(rep)))
         hang = Hang(c.beat.rank, c.beat.phase, c.beat.step, since(c), now - since(c),
                     self.monitor.limit(c.beat), c.state)  # fmt: skip
-        return ControlFault("hang", c.beat.rank, c.node, hang.describe(), t_fault=since(c),
+        cause = user_code_fault("hang", c.beat.phase)
+        return ControlFault(cause, c.beat.rank, c.node, hang.describe(), t_fault=since(c),
                             state=c.state, limit_s=hang.limit_s)  # fmt: skip
 
 

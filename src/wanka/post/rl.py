@@ -30,6 +30,7 @@ from wanka.post.loop import chunks, global_max, global_sum, regularisers, run
 from wanka.post.losses import group_advantages, grpo_loss, token_logprobs
 from wanka.post.rewards import PYTHON_REWARDS, Reward, load_reward
 from wanka.post.rollout import assemble, row_length
+from wanka.resilience.heartbeat import USER_CODE, NullReporter
 
 
 def check_rl(cfg: JobConfig) -> None:
@@ -68,14 +69,18 @@ log = logging.getLogger("wanka.post.rl")
 REWARD_LIMIT = 1e30
 
 
-def _rewards(reward: Reward, prompts, texts: list[str], spec: str) -> torch.Tensor:
+def _rewards(reward: Reward, prompts, texts: list[str], spec: str,
+             progress=None) -> torch.Tensor:  # fmt: skip
     """The user's (or a built-in) reward of each completion; anything but a finite number, or
     an exception inside the function, stops the job in one line naming post.reward (the
-    exception's traceback goes to the rank's log, with the completion it failed on)."""
-    values = []
+    exception's traceback goes to the rank's log, with the completion it failed on).
+    `progress` (the rank's heartbeat) is in the user_code phase while the function runs: a
+    hang or death there is the code's fault, not the node's."""
+    values, progress = [], progress or NullReporter()
     for x, t in zip(prompts, texts):
         try:
-            got = reward(x.text, t, x.domain)
+            with progress.during(USER_CODE):
+                got = reward(x.text, t, x.domain)
         except (KeyboardInterrupt, GeneratorExit):
             raise  # Ctrl-C is the user's stop, not the reward's fault
         except BaseException as e:  # timeout libraries raise BaseException subclasses too
@@ -114,7 +119,7 @@ def make_step(reference: torch.nn.Module, reward: Reward):
         job.rollout.sync(job.policy)
         completions = job.sample(tokens, step)
         texts = [job.tokenizer.decode(c) for c in completions]
-        rewards = _rewards(reward, prompts, texts, p.reward)
+        rewards = _rewards(reward, prompts, texts, p.reward, job.runtime.progress)
         adv = group_advantages(rewards, G).float().to(job.device)
         s = assemble(tokens, completions, job.device,
                      length=global_max(row_length(tokens, completions)))  # fmt: skip
@@ -168,7 +173,9 @@ def held_out_reward(job: PostJob, reward: Reward) -> dict[str, float]:
             continue  # sampling runs on the rank's own copy: nothing collective to join
         comps = job.sample([job.encode(x.text) for x in chunk], step=-1, salt=r)
         texts = [job.tokenizer.decode(c) for c in comps]
-        total += float(_rewards(reward, chunk, texts, job.cfg.post.reward).sum())
+        total += float(
+            _rewards(reward, chunk, texts, job.cfg.post.reward, job.runtime.progress).sum()
+        )
         count += len(chunk)
     s, n = global_sum(total, count)
     return {"val_reward": s / n} if n else {}  # no held-out prompts: nothing to report

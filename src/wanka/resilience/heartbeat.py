@@ -12,11 +12,23 @@ from __future__ import annotations
 import os
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 PHASES = ("init", "restore", "data", "sync", "forward", "backward", "optimizer", "snapshot",
-          "checkpoint", "eval", "done")  # fmt: skip
+          "checkpoint", "eval", "done", "user_code")  # fmt: skip
+# The user's own code runs (a post.reward function): a rank that dies or hangs here is the
+# code's fault, not its node's (supervisor.py, control/coordinator.py).
+USER_CODE = "user_code"
+
+
+def phase_words(phase: str) -> str:
+    """A phase as a fault's detail names it."""
+    return "the job's own code (post.reward)" if phase == USER_CODE else phase
+
+
 PHASE_ID = {p: i for i, p in enumerate(PHASES)}
 _MAGIC = b"WKHB"
 # magic, pid, attempt, step, phase, phase start (unix s), write time, max seconds per phase
@@ -67,6 +79,16 @@ class Reporter:
             self.step = step
         self._write()
 
+    @contextmanager
+    def during(self, phase: str) -> Iterator[None]:
+        """`phase` for the length of a block, then back to the phase it interrupted."""
+        before = self.phase
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            self.enter(before)
+
     def _write(self) -> None:
         rec = struct.pack(_FMT, _MAGIC, os.getpid(), self.attempt, self.step,
                           PHASE_ID[self.phase], self.since, time.time(), *self.max_seconds)  # fmt: skip
@@ -84,6 +106,10 @@ class NullReporter:
 
     def enter(self, phase: str, step: int | None = None) -> None:
         pass
+
+    @contextmanager
+    def during(self, phase: str) -> Iterator[None]:
+        yield
 
     def close(self) -> None:
         pass

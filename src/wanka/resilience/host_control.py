@@ -53,6 +53,7 @@ from wanka.resilience.host_setup import (
     local_hb_root,
     safe_name,
 )
+from wanka.resilience.monitor import UNSTICK_AFTER_S
 from wanka.resilience.snapshot import inventory, restorable
 
 log = logging.getLogger("wanka.supervisor")
@@ -321,13 +322,18 @@ class HostControl:
     def watch(self, _hb_dir: Path, attempt: int, out, stop: threading.Event) -> None:
         """The supervisor's monitor thread: publish this host's ranks; the coordinator also
         names faults and decides; a follower carries out the decisions."""
-        failing, over = False, False
+        failing, over, over_at = False, False, None
         self._last_ok = time.monotonic()
         while not self.orphaned:
             last = stop.wait(AGENT_POLL_S)
             now = time.time()
             if over:  # ranks that start after the verdict (a rendezvous completing late) too
                 self._kill_local(0, signal.SIGKILL)
+                over_at = over_at or time.monotonic()
+                if not last and time.monotonic() - over_at > UNSTICK_AFTER_S:
+                    # Our ranks are gone but the agent waits on (ranks that exited 0 mid-job).
+                    self.sup.stop_stuck_launcher()
+                    over_at = float("inf")  # once
                 prev = self._inflight
                 if prev is None or not prev.is_alive():  # never wait on a stuck store here
                     try:  # still up while our ranks go: the coordinator is planning

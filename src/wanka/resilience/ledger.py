@@ -25,7 +25,14 @@ from pathlib import Path
 # Causes that say something about the machine, so repeating them is grounds for eviction.
 NODE_CAUSES = {"node_down", "node_lost", "startup_failure", "hang", "slow", "link"}
 # Causes that follow the job (its code, data or scheduler), not the machine.
-OTHER_CAUSES = {"process_crash", "nan", "preempted", "checkpoint_corrupt", "user_error"}
+OTHER_CAUSES = {
+    "process_crash",
+    "nan",
+    "preempted",
+    "checkpoint_corrupt",
+    "user_error",
+    "user_code",
+}
 ALL_CAUSES = NODE_CAUSES | OTHER_CAUSES
 
 _BUSY_TIMEOUT_S = 30.0
@@ -209,7 +216,7 @@ class FaultLedger:
         cleared_id = row[0] if row else 0
         rows = db.execute(
             "SELECT cause FROM faults WHERE node = ? AND id > ? AND time > ? AND time <= ? "
-            "AND injected = 0 AND cause != 'user_error' ORDER BY time, id",
+            "AND injected = 0 AND cause NOT IN ('user_error', 'user_code') ORDER BY time, id",
             (node, cleared_id, since, now),
         ).fetchall()
         return [r[0] for r in rows]

@@ -22,13 +22,22 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from wanka.resilience.heartbeat import Beat
+from wanka.resilience.heartbeat import USER_CODE, Beat, phase_words
 
 UNWATCHED = ("done",)  # a finished rank waits for the others; that is not a hang
 # Phases whose duration scales with storage and state size rather than with the step: a first
 # quick restore or save must not set a tight limit for a later disk restore or a bigger save.
 IO_PHASES = ("init", "restore", "checkpoint", "eval")
 IO_FLOOR_S = 30.0
+# A launcher still running this long after its attempt's fault was named is stuck: torch's agent
+# waits for the return value of a rank that exited 0 mid-job (os._exit(0) in user code).
+UNSTICK_AFTER_S = 10.0
+
+
+def user_code_fault(cause: str, phase: str) -> str:
+    """A rank that died or hung while it ran the job's own code (a post.reward function) is
+    that code's fault, not its node's: the ledger does not count it against the node."""
+    return USER_CODE if phase == USER_CODE and cause in ("process_crash", "hang") else cause
 
 
 class Timeouts:
@@ -84,7 +93,8 @@ class Hang:
 
     def describe(self) -> str:
         how = "stopped (SIGSTOP)" if self.state in ("T", "t") else f"state {self.state}"
-        return (f"rank {self.rank} made no progress for {self.stalled_s:.1f} s in {self.phase} of "
+        return (f"rank {self.rank} made no progress for {self.stalled_s:.1f} s in "
+                f"{phase_words(self.phase)} of "
                 f"step {self.step + 1} (limit {self.limit_s:.1f} s), process {how}")  # fmt: skip
 
 

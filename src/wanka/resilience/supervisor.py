@@ -32,9 +32,17 @@ from wanka.config import JobConfig
 from wanka.resilience import rank_logs
 from wanka.resilience.chaos import ChaosDriver, Fault
 from wanka.resilience.goodput import TimelineWriter
-from wanka.resilience.heartbeat import exit_code, exit_message, node_of, read_all
+from wanka.resilience.heartbeat import exit_code, exit_message, node_of, phase_words, read_all
 from wanka.resilience.ledger import EvictionPolicy, FaultLedger
-from wanka.resilience.monitor import HangMonitor, Timeouts, dump_stacks, process_state, stragglers
+from wanka.resilience.monitor import (
+    UNSTICK_AFTER_S,
+    HangMonitor,
+    Timeouts,
+    dump_stacks,
+    process_state,
+    stragglers,
+    user_code_fault,
+)
 
 # The phases of a training step (heartbeat.py's, less start-up, saves to disk and the end).
 TRAIN_PHASES = ("data", "sync", "forward", "backward", "optimizer", "snapshot")
@@ -43,7 +51,6 @@ log = logging.getLogger("wanka.supervisor")
 EXIT_USER_ERROR = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a last-gasp checkpoint; relaunch
 STRAGGLER_STEPS = 3  # slow in this many steps = a straggler
-UNSTICK_AFTER_S = 10.0  # a launcher still running this long after its attempt's fault is stuck
 
 
 @dataclass
@@ -355,7 +362,7 @@ class Supervisor:
             _blame(out, hb_dir, attempt)
         if out.node is None and out.rank is not None:
             out.node = node_of(hb_dir, out.rank)
-        if out.cause in ("process_crash", "startup_failure") and out.rank is not None:
+        if out.cause in ("process_crash", "startup_failure", "user_code") and out.rank is not None:
             out.error = rank_logs.last_exception(self.run_dir, out.rank, self._log_marks)
         if out.cause == "user_error" and marks is not None:
             out.said = next(filter(None, (marks[r][1] for r in sorted(marks))), out.said)
@@ -484,7 +491,9 @@ class Supervisor:
         out.t_detect = out.t_detect or time.time()
 
     def _classify(self, out: Outcome) -> None:
-        if out.cause in ("hang", "preempted", "user_error") or out.cause.startswith("node"):
+        if out.cause in ("hang", "preempted", "user_error", "user_code") or out.cause.startswith(
+            "node"
+        ):
             return
         if out.cause == "process_crash":  # seen by the monitor; codes confirm
             return
@@ -507,12 +516,20 @@ class Supervisor:
         # torch's agent waits for a worker's return value: a rank that ended with exit code 0
         # mid-job (os._exit(0) in a user's reward) leaves it waiting for ever. Stop it the way
         # a stop request would, marked as ours, once it has had time to end on its own.
-        if not stop.wait(UNSTICK_AFTER_S) and self.cluster is None and not stop.is_set():
-            log.warning("the launcher did not end %g s after the fault (a rank that exits 0 mid-job, "
-                        "e.g. os._exit(0) in user code, leaves it waiting): stopping it",
-                        UNSTICK_AFTER_S)  # fmt: skip
-            self._unstick.set()
-            os.kill(os.getpid(), signal.SIGTERM)
+        if not stop.wait(UNSTICK_AFTER_S) and not stop.is_set():
+            if self.cluster is not None:  # run_attempt kills the node launchers on `stop`
+                stop.set()
+            else:
+                self.stop_stuck_launcher()
+
+    def stop_stuck_launcher(self) -> None:
+        """Ends this host's elastic agent, still waiting UNSTICK_AFTER_S after its attempt's
+        fault was named, with a SIGTERM marked as ours (never taken for a preemption)."""
+        log.warning("the launcher did not end %g s after the fault (a rank that exits 0 mid-job, "
+                    "e.g. os._exit(0) in user code, leaves it waiting): stopping it",
+                    UNSTICK_AFTER_S)  # fmt: skip
+        self._unstick.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def note_stragglers(self, beats: dict, node_of_rank, now: float,
                         flagged: dict[int, set[int]]) -> None:  # fmt: skip
@@ -546,15 +563,17 @@ class Supervisor:
             # usually died of losing it, in a collective.
             b = min(dead, key=lambda b: (exit_code(hb_dir, b.rank) is not None, b.rank))
             out.cause, out.rank = "process_crash", b.rank
-            out.detail = f"rank {b.rank} died in {b.phase} of step {b.step + 1}"
+            out.detail = f"rank {b.rank} died in {phase_words(b.phase)} of step {b.step + 1}"
             if b.step < 0:
                 out.cause = "startup_failure"
                 out.detail = f"rank {b.rank} died while starting ({b.phase})"
             if any(exit_code(hb_dir, d.rank) == EXIT_USER_ERROR for d in dead):
                 out.cause = "user_error"  # it said why in one line; retrying cannot help
+            out.cause = user_code_fault(out.cause, b.phase)
             out.t_fault = self.chaos.fault_time(b.rank) or now
         else:
-            out.cause, out.rank, out.detail = "hang", hang.rank, hang.describe()
+            out.cause, out.rank = user_code_fault("hang", hang.phase), hang.rank
+            out.detail = hang.describe()
             out.t_fault = self.chaos.fault_time(hang.rank) or hang.since
             out.limit_s = hang.limit_s
             dump_stacks(beats, self.run_dir / "logs" / f"stacks-attempt{attempt}.txt")
@@ -683,8 +702,9 @@ class Supervisor:
                 break
             if self._repeated(out):
                 log_file = rank_logs.log_path(self.run_dir, out.rank)
+                what = out.error or f"the same fault ({out.detail})"
                 print(f"{self.says} rank {out.rank} failed twice at step {out.max_step + 1} with "
-                      f"{out.error}: not a transient fault, so no more restarts; fix it and run "
+                      f"{what}: not a transient fault, so no more restarts; fix it and run "
                       f"the same command to resume (log {log_file})", file=sys.stderr)  # fmt: skip
                 rc = EXIT_USER_ERROR
                 break
@@ -806,12 +826,14 @@ class Supervisor:
             print(f"{self.says} loss curve not drawn: {e}", file=sys.stderr)
 
     def _repeated(self, out: Outcome) -> bool:
-        """The same exception at the same step as the attempt before: deterministic (a bug or
-        bad input), which a restart cannot fix. Injected faults leave no exception."""
-        if not out.error or len(self.outcomes) < 2:
+        """The same exception at the same step as the attempt before, or the job's own code
+        failing (dying or hanging) again at the same step: deterministic (a bug or bad input),
+        which a restart cannot fix. Injected faults leave no exception."""
+        if len(self.outcomes) < 2 or not (out.error or out.cause == "user_code"):
             return False
         prev = self.outcomes[-2]
-        return (prev.error, prev.max_step, prev.rank) == (out.error, out.max_step, out.rank)
+        key = ("error", "max_step", "rank") if out.error else ("cause", "max_step", "rank")
+        return all(getattr(prev, k) == getattr(out, k) for k in key)
 
     def _record_fault(self, out: Outcome, attempt: int) -> bool:
         """Record the fault in the timeline and ledger; True when it got a node evicted."""
