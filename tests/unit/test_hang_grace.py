@@ -34,6 +34,11 @@ def test_the_jobs_own_code_is_its_own_phase_then_back_to_the_one_it_interrupted(
     beat = read_all(tmp_path)[0]
     assert (beat.phase, beat.step) == ("forward", 3)
     assert beat.max_seconds["user_code"] >= 0.02  # the code's own time is learned apart
+    # A reward that ran in milliseconds may run a completion's program for seconds next:
+    # its limit never falls below the 30 s floor of phases whose cost is not the step's.
+    t = Timeouts(tmp_path / "t.json", factor=3.0, floor=4.0, initial=120.0)
+    t.learned.update({"user_code": 0.01, "forward": 0.01})
+    assert t.limit("user_code") == 30.0 and t.limit("forward") == 4.0
 
 
 def test_first_optimizer_step_keeps_the_start_up_grace(tmp_path):

@@ -77,37 +77,42 @@ def _rewards(reward: Reward, prompts, texts: list[str], spec: str,
     `progress` (the rank's heartbeat) is in the user_code phase while the function runs: a
     hang or death there is the code's fault, not the node's."""
     values, progress = [], progress or NullReporter()
-    for x, t in zip(prompts, texts):
-        try:
-            with progress.during(USER_CODE):
-                got = reward(x.text, t, x.domain)
-        except (KeyboardInterrupt, GeneratorExit):
-            raise  # Ctrl-C is the user's stop, not the reward's fault
-        except BaseException as e:  # timeout libraries raise BaseException subclasses too
-            log.error(
-                "post.reward=%r raised on this completion of a %r prompt:\n%r",
-                spec,
-                x.domain,
-                t[:2000],
-                exc_info=True,
-                extra={"console": False},
-            )  # the log file only: the console gets one line
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise ValueError(f"post.reward={spec!r} raised {type(e).__name__}"
-                             f"{': ' + first if first else ''} on a completion of a "
-                             f"{x.domain!r} prompt: fix the function (it must return a "
-                             "number for any text; its traceback is in RUN_DIR/logs/"
-                             "rank*.log)") from None  # fmt: skip
-        try:  # a number: int, float, bool, a numpy or 0-d torch scalar; not the text "0.5"
-            r = math.nan if isinstance(got, str | bytes) else float(got)
-        except (TypeError, ValueError, OverflowError):
-            r = math.nan
-        if not math.isfinite(r) or abs(r) > REWARD_LIMIT:
-            raise ValueError(f"post.reward={spec!r} returned {got!r:.80} "
-                             f"({type(got).__name__}) for a completion: a reward must be a "
-                             f"finite number of magnitude at most {REWARD_LIMIT:g}")  # fmt: skip
-        values.append(r)
+    with progress.during(USER_CODE):  # the whole batch: a per-call limit would be too tight
+        for x, t in zip(prompts, texts):
+            values.append(_reward(reward, x, t, spec))
     return torch.tensor(values, dtype=torch.float64)
+
+
+def _reward(reward: Reward, x, t: str, spec: str) -> float:
+    """One completion's reward (see _rewards)."""
+    try:
+        got = reward(x.text, t, x.domain)
+    except (KeyboardInterrupt, GeneratorExit):
+        raise  # Ctrl-C is the user's stop, not the reward's fault
+    except BaseException as e:  # timeout libraries raise BaseException subclasses too
+        log.error(
+            "post.reward=%r raised on this completion of a %r prompt:\n%r",
+            spec,
+            x.domain,
+            t[:2000],
+            exc_info=True,
+            extra={"console": False},
+        )  # the log file only: the console gets one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"post.reward={spec!r} raised {type(e).__name__}"
+                         f"{': ' + first if first else ''} on a completion of a "
+                         f"{x.domain!r} prompt: fix the function (it must return a "
+                         "number for any text; its traceback is in RUN_DIR/logs/"
+                         "rank*.log)") from None  # fmt: skip
+    try:  # a number: int, float, bool, a numpy or 0-d torch scalar; not the text "0.5"
+        r = math.nan if isinstance(got, str | bytes) else float(got)
+    except (TypeError, ValueError, OverflowError):
+        r = math.nan
+    if not math.isfinite(r) or abs(r) > REWARD_LIMIT:
+        raise ValueError(f"post.reward={spec!r} returned {got!r:.80} "
+                         f"({type(got).__name__}) for a completion: a reward must be a "
+                         f"finite number of magnitude at most {REWARD_LIMIT:g}")  # fmt: skip
+    return r
 
 
 def make_step(reference: torch.nn.Module, reward: Reward):

@@ -27,7 +27,9 @@ from wanka.resilience.heartbeat import USER_CODE, Beat, phase_words
 UNWATCHED = ("done",)  # a finished rank waits for the others; that is not a hang
 # Phases whose duration scales with storage and state size rather than with the step: a first
 # quick restore or save must not set a tight limit for a later disk restore or a bigger save.
-IO_PHASES = ("init", "restore", "checkpoint", "eval")
+# The job's own code too: a reward that runs a completion's program may take seconds on one
+# step and milliseconds on the next.
+IO_PHASES = ("init", "restore", "checkpoint", "eval", USER_CODE)
 IO_FLOOR_S = 30.0
 # A launcher still running this long after its attempt's fault was named is stuck: torch's agent
 # waits for the return value of a rank that exited 0 mid-job (os._exit(0) in user code).
