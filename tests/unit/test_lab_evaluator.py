@@ -185,6 +185,26 @@ TINY = {
 }
 
 
+def test_indexer_scores_must_stay_with_their_keys():
+    """The indexer's KL pairs each selected key with its score: indices re-sorted by key with
+    the scores left in score order select the right set and the right multiset of scores, and
+    are wrong (found by an attacker: it passed as correct, held-out included)."""
+    from wanka.lab.task import Tolerance
+
+    task = get_task("lightning_indexer-cpu")
+    gen = torch.Generator().manual_seed(0)
+    inputs = task.make_inputs({"B": 1, "L": 24, "Hi": 2, "Di": 8, "K": 6, "docs": 2}, gen)
+    ref = task.reference_fn()(*inputs.values())
+    tol = Tolerance(1e-5, 1e-5)
+    assert task.compare(ref, ref, inputs, tol)[0]
+    unpaired = (ref[0].sort(-1).values, ref[1])
+    ok, msg, _ = task.compare(ref, unpaired, inputs, tol)
+    assert not ok and "scores" in msg
+    ties = (ref[0].flip(-1), ref[1].flip(-1))  # pairs kept, not in descending score order
+    ok, msg, _ = task.compare(ref, ties, inputs, tol)
+    assert not ok and "descending" in msg
+
+
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_triton_templates_are_correct_under_the_interpreter(name, monkeypatch):
     """Without a GPU the Triton tasks cannot be timed, but their candidates are checked on

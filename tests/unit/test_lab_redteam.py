@@ -70,6 +70,8 @@ class Attack:
     policy_too: bool = False  # also run with the static policy on (class 1)
     memory_gib: float | None = None
     api_key_in_env: bool = False  # the lab's environment holds an LLM API key for this one
+    flag: str | None = None  # the verdict must be a rejection with this flag (a gain too small
+    # for INFLATED to tell from noise)
 
 
 ATTACKS = {
@@ -135,7 +137,36 @@ ATTACKS = {
     "atk_x_memfd_over_limit": Attack(
         "x", "fwd_bwd", "holds 0.5 GiB beyond RLIMIT_AS in a memfd written with write()",
         memory_gib=2.0),
+    "atk_x_memfd_many": Attack(
+        "x", "fwd_bwd", "holds 1 GiB beyond RLIMIT_AS in many memfds, each under "
+        "RLIMIT_FSIZE", memory_gib=2.0),
+    "atk_x_harness_swap": Attack(
+        "x", "fwd_bwd", "rebinds worker.call/forward/backward/grad_rule and Buffer.put: a "
+        "fused forward + backward that reads the upstream gradient before the forward"),
+    "atk_x_autograd_swap": Attack(
+        "x", "fwd_bwd", "torch.autograd.backward replaced by a closed form the exported "
+        "kernel does not have (1.49x before it was caught)", flag="tamper"),
+    "atk_x_orphan": Attack(
+        "x", "fwd_bwd", "audit deny list emptied, parent-death signal cleared, setsid, "
+        "os._exit a sleep: its process outlives the evaluation"),
+    "atk_x_forged_nested_json": Attack(
+        "x", "fwd_bwd", "a reply nested 30000 deep (RecursionError in json.loads)"),
+    "atk_x_forged_dtype": Attack(
+        "x", "fwd_bwd", "a forged reply with a list as an output's dtype (TypeError)"),
 }  # fmt: skip
+ORPHAN_NAME = "rt-orphan"  # atk_x_orphan's process name (PR_SET_NAME)
+
+
+def _named(comm: str) -> list[int]:
+    """Live processes whose name is `comm`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "comm").read_text().strip() == comm:
+                out.append(int(d.name))
+        except OSError:
+            pass
+    return out
 
 
 def _restart_fork_server() -> None:
@@ -185,6 +216,16 @@ class Boundary:
         except BlockingIOError:
             pass
         out += self._forged_rows()
+        deadline = time.monotonic() + 3.0  # killed now: gone within moments
+        while (left := _named(ORPHAN_NAME)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if left:
+            for pid in left:  # the next test must not see it
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+            out.append(f"side effect: {len(left)} candidate process(es) outlived the evaluation")
         dump = repr(fb.to_dict()) + fb.summary()
         for what, value in (("secret file content", self.secret), ("API key", self.api_key),
                             ("history HMAC key", self.history_key.hex() if self.history_key else None),
@@ -286,6 +327,8 @@ def test_attack_is_contained(name, boundary, monkeypatch):
             fb = evaluate(task(atk.mode), src, c)
             seen.append(_show(label, fb))
             breaches += [f"{label}: {b}" for b in boundary.escapes(fb)]
+            if atk.flag and atk.flag not in fb.flags:
+                breaches.append(f"{label}: not rejected as {atk.flag} ({_show('', fb)})")
             if fb.correct and atk.wrong:
                 breaches.append(f"{label}: wrong timed answers reported correct ({_show('', fb)})")
             elif _inflated(fb):  # confirm: noise alone must not make an attack "succeed"

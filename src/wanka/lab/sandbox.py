@@ -153,7 +153,7 @@ class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
     ]
 
 
-def _install_seccomp() -> str | None:
+def _install_seccomp(extra: Sequence[str] = ()) -> str | None:
     """Step 8; returns why libseccomp is unavailable (then nothing is installed), else None."""
     try:
         lib = ctypes.CDLL("libseccomp.so.2")
@@ -180,7 +180,7 @@ def _install_seccomp() -> str | None:
 
     masked_eq = 7  # SCMP_CMP_MASKED_EQ: (arg & a) == b
     try:
-        for name in DENY:
+        for name in (*DENY, *extra):
             rule(name, errno.EPERM)
         rule("clone", errno.EPERM, _ArgCmp(0, masked_eq, CLONE_THREAD, 0))  # threads stay allowed
         rule("clone3", errno.ENOSYS)  # glibc then falls back to clone, filtered above
@@ -209,7 +209,8 @@ def _open_fds() -> list[int]:
     return fds
 
 
-def _jail(sync_r: int, limits: Limits, uid: int, gid: int, seccomp: bool) -> None:
+def _jail(sync_r: int, limits: Limits, uid: int, gid: int, seccomp: bool,
+          deny: Sequence[str] = ()) -> None:  # fmt: skip
     """Steps 6-8 in the grandchild, PID 1 of the new PID namespace."""
     if os.read(sync_r, 1) != b"x":  # the intermediate died before releasing us
         os._exit(1)
@@ -242,17 +243,18 @@ def _jail(sync_r: int, limits: Limits, uid: int, gid: int, seccomp: bool) -> Non
     if poller.poll(0):  # hang-up: the intermediate died before the death signal was armed
         os._exit(1)
     os.close(sync_r)
-    why = _install_seccomp() if seccomp else "not requested"
+    why = _install_seccomp(deny) if seccomp else "not requested"
     STATUS.update(seccomp_installed=why is None, seccomp_error=why, open_fds=_open_fds())
 
 
 def enter(*, hide: Sequence[str], expose: Sequence[str], limits: Limits,
           on_pid: Callable[[int], None] | None = None, uid: int = 65534, gid: int = 65534,
-          seccomp: bool = True) -> None:  # fmt: skip
+          seccomp: bool = True, deny: Sequence[str] = ()) -> None:  # fmt: skip
     """Isolate this (forked, single-threaded) process; returns only in a new grandchild that is
     PID 1 of a new PID namespace. This process waits for it and exits with its status (a signal
-    death as 128 + signal). Raises SandboxError where a step fails (in the grandchild too: then
-    it is partly isolated and must exit rather than run anything)."""
+    death as 128 + signal). `deny`: system calls denied on top of DENY. Raises SandboxError
+    where a step fails (in the grandchild too: then it is partly isolated and must exit rather
+    than run anything)."""
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
     if _libc.unshare(flags) != 0:
         hint = {errno.EPERM: "needs root: ", errno.EINVAL: "needs a single-threaded process: "}
@@ -265,7 +267,7 @@ def enter(*, hide: Sequence[str], expose: Sequence[str], limits: Limits,
     pid = os.fork()
     if pid == 0:
         os.close(sync_w)
-        return _jail(sync_r, limits, uid, gid, seccomp)
+        return _jail(sync_r, limits, uid, gid, seccomp, deny)
     os.close(sync_r)
     code = 1
     try:  # the intermediate: trusted, never returns

@@ -9,6 +9,7 @@ import atexit
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -118,7 +119,9 @@ class Server:
             self.pid = Zygote.request({"op": "spawn", "spec": spec}, theirs.fileno())["pid"]
         finally:
             theirs.close()
+        self.two_halves = spec["mode"] == "fwd_bwd"  # forward, then backward (worker.py)
         self.host_pid: int | None = None
+        self.pidfd: int | None = None  # the host pid's process, whatever pid it has later
         self.data_at = 0  # where inputs start (a pool of random values may come first)
         self.clock: int | None = None
         self.last: list = []  # (description, copy) of the last call's outputs
@@ -141,7 +144,7 @@ class Server:
     def _parse(self, data: bytes) -> dict:
         try:
             msg = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the limit
             msg = None
         if not isinstance(msg, dict):
             raise reject("protocol", f"the {self.role}'s process sent a malformed message")
@@ -168,6 +171,10 @@ class Server:
         self.host_pid, self.clock = pid, cpu_clock(pid)
         if self.cpu_s() is None:
             raise reject("protocol", f"the {self.role}'s process sent a pid that is not its own")
+        try:  # (the sandbox's trusted intermediate sent it, before any candidate code ran)
+            self.pidfd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self.pidfd = None
         return self._parse(self._recv())
 
     def ask(self, msg: dict) -> dict:
@@ -184,12 +191,22 @@ class Server:
         if early is not None:
             raise reject("protocol", f"the {self.role}'s process sent a message nobody asked for")
         metas, end = encode_inputs(self.buf, inputs, self.data_at)
-        msg = json.dumps({"op": "call", "kernel": kernel, "inputs": metas, "seed": seed,
-                          "out_at": end, "poison": poison}).encode()  # fmt: skip
+        # No seed in the request: the upstream gradient is told only once the forward is done.
+        msg = json.dumps({"op": "call", "kernel": kernel, "inputs": metas, "out_at": end,
+                          "poison": poison}).encode()  # fmt: skip
+        then = json.dumps({"op": "backward", "seed": seed}).encode()
         c0 = self.cpu_s()
         t0 = time.perf_counter()
         self.sock.send(msg)
         data = self._recv()
+        if self.two_halves:
+            half = self._parse(data)
+            if half.get("ok") is not True:
+                raise self._failed(half)
+            if half.get("phase") != "forward":
+                raise reject("protocol", f"the {self.role}'s process skipped the forward half")
+            self.sock.send(then)
+            data = self._recv()
         dt = time.perf_counter() - t0
         c1 = self.cpu_s()
         reply = self._parse(data)
@@ -201,7 +218,7 @@ class Server:
             views = [self.buf.get(m) for m in reply["outs"]]
             if any(m["offset"] < end for m in reply["outs"]):  # the inputs, the pool
                 raise ShmError("outputs overlap the inputs")
-        except ShmError as e:
+        except (ShmError, TypeError, KeyError) as e:
             raise reject("protocol", f"the {self.role}'s process described its outputs "
                           f"wrongly: {e}") from None  # fmt: skip
         outs = [v.clone() for v in views]
@@ -235,8 +252,20 @@ class Server:
             return None
 
     def reap(self, grace_s: float = 1.0) -> int | None:
+        """Ends the server -> its exit status. Then the process that ran the kernels is killed
+        by its pidfd: it is PID 1 of its PID namespace, so everything in it goes too, even
+        after it left the fork server's process group and cleared its parent-death signal."""
         if self.pid is None:
             return None
         self.sock.close()
         pid, self.pid, self.clock = self.pid, None, None
-        return Zygote.request({"op": "reap", "pid": pid, "grace_s": grace_s})["status"]
+        try:
+            return Zygote.request({"op": "reap", "pid": pid, "grace_s": grace_s})["status"]
+        finally:
+            if self.pidfd is not None:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError, OSError):
+                    pass  # gone already
+                os.close(self.pidfd)
+                self.pidfd = None

@@ -75,7 +75,8 @@ class Buffer:
         """The tensor a description names, validated (a view: clone to keep it)."""
         if not isinstance(meta, dict) or set(meta) != {"dtype", "shape", "offset"}:
             raise ShmError(f"malformed tensor description {str(meta)[:80]!r}")
-        dtype, shape, off = DTYPES.get(meta["dtype"]), meta["shape"], meta["offset"]
+        name, shape, off = meta["dtype"], meta["shape"], meta["offset"]
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None or not isinstance(shape, list) or len(shape) > MAX_DIMS:
             raise ShmError(f"malformed tensor description {str(meta)[:80]!r}")
         if not all(type(d) is int and 0 <= d < 2**40 for d in shape):

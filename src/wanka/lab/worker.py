@@ -35,10 +35,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()  # device-wide: work queued on any stream is waited for
 
 
-def load_source(text: str, name: str) -> ModuleType:
-    """Run a kernel source as module `name` (registered with linecache, so tracebacks and
-    Triton's inspect.getsource work without a file on disk)."""
-    filename = f"{name}.py"
+def load_source(text: str, name: str, filename: str | None = None) -> ModuleType:
+    """Run a kernel source as module `name` from `filename` (default NAME.py; registered with
+    linecache, so tracebacks and Triton's inspect.getsource work without a file on disk)."""
+    filename = filename or f"{name}.py"
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     mod = ModuleType(name)
     mod.__file__ = filename
@@ -97,28 +97,46 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, tuple | list) else (out,)
 
 
-def call(fn: Callable, inputs: dict, mode: str, grad_names: list[str], grad_out) -> tuple:
-    """One run of fn: outputs (+ gradients of grad_names when mode == fwd_bwd). grad_out is
-    a list aligned with the outputs, or a callable outs -> list (timed calls)."""
+def forward(fn: Callable, inputs: dict, mode: str, grad_names: list[str]) -> tuple[tuple, dict]:
+    """The first half of a call: fn's outputs and, for fwd_bwd, the leaves whose gradients the
+    second half computes (the graph is kept in between). A kernel server answers this half
+    before it is told the upstream gradient: a forward that knew it could fuse the backward
+    into itself, which no training step allows."""
     import torch
 
     if mode == "fwd":
         with torch.no_grad():
-            return _as_tuple(fn(*inputs.values()))
+            return _as_tuple(fn(*inputs.values())), {}
     args = dict(inputs)
     leaves = {n: inputs[n].detach().requires_grad_(True) for n in grad_names}
     args.update(leaves)
     outs = _as_tuple(fn(*args.values()))
     check_tensors(outs, None)
-    grads = grad_out(outs) if callable(grad_out) else grad_out
+    return outs, leaves
+
+
+def backward(outs: tuple, leaves: dict, grads: list, run_backward: Callable | None = None) -> tuple:
+    """The second half: the gradients of the leaves for upstream gradients `grads` (aligned
+    with the outputs) -> outputs + gradients, in the leaves' order."""
+    import torch
+
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
     if len(outs) != len(grads) or any(not o.requires_grad for o, _ in pairs):
         raise Rejected("no_graph", "an output that needs a gradient is detached from the inputs")
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    (run_backward or torch.autograd.backward)([o for o, _ in pairs], [g for _, g in pairs])
     for n, t in leaves.items():
         if t.grad is None:
             raise Rejected("no_grad", f"no gradient reached input {n}")
-    return tuple(o.detach() for o in outs) + tuple(leaves[n].grad for n in grad_names)
+    return tuple(o.detach() for o in outs) + tuple(t.grad for t in leaves.values())
+
+
+def call(fn: Callable, inputs: dict, mode: str, grad_names: list[str], grad_out) -> tuple:
+    """One run of fn in this process: outputs (+ gradients of grad_names when mode ==
+    fwd_bwd). grad_out is a list aligned with the outputs, or a callable outs -> list."""
+    outs, leaves = forward(fn, inputs, mode, grad_names)
+    if mode == "fwd":
+        return outs
+    return backward(outs, leaves, grad_out(outs) if callable(grad_out) else grad_out)
 
 
 def check_tensors(outs: tuple, device: str | None) -> None:
@@ -199,6 +217,8 @@ def _lockdown(jobdir: Path, compilers: bool) -> None:
 
     write = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     jail = os.path.realpath(jobdir)
+    # Bound here: the hook must not read module globals a candidate can rebind.
+    denied, path_events, compiler_names = _DENIED_EVENTS, _PATH_EVENTS, _COMPILERS
 
     def outside_job(path) -> bool:
         if not isinstance(path, str | bytes | os.PathLike):
@@ -212,17 +232,17 @@ def _lockdown(jobdir: Path, compilers: bool) -> None:
             mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
             if (flags & write or any(c in mode for c in "wax+")) and not outside_job(args[0]):
                 raise PermissionError(f"lab candidate: opening {args[0]!r} for writing")
-        elif event in _DENIED_EVENTS:
+        elif event in denied:
             if compilers and event in ("subprocess.Popen", "os.posix_spawn"):
                 exe, argv = args[0], args[1]
                 if exe is None and argv:
                     exe = argv if isinstance(argv, str | bytes) else argv[0]
                 if isinstance(exe, str | bytes | os.PathLike):
-                    if os.path.basename(os.fsdecode(exe)) in _COMPILERS:
+                    if os.path.basename(os.fsdecode(exe)) in compiler_names:
                         return
             if compilers and event in ("ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle"):
                 return
-            if compilers and event in _PATH_EVENTS and args and outside_job(args[0]):
+            if compilers and event in path_events and args and outside_job(args[0]):
                 if event != "os.rename" or outside_job(args[1]):
                     return
             raise PermissionError(f"lab candidate: {event} is not allowed")
@@ -251,41 +271,97 @@ def _failure(e: BaseException) -> dict:
             "traceback": _trim(traceback.format_exc())}  # fmt: skip
 
 
-def serve(sock: socket.socket, buf, kernels: dict[str, Callable], spec: dict, peaks: dict) -> None:
-    """Answer the evaluator's messages until it hangs up: `call` (inputs in the buffer ->
-    outputs written after them), `peaks` (roofline, measured at start), `exit`."""
+# What torch.autograd.backward runs through: replaced by a candidate, the backward the lab
+# times would be its own, not the autograd of the kernel it exports.
+_AUTOGRAD_ENTRY_POINTS = ("torch.autograd.backward", "torch.autograd._engine_run_backward",
+                          "torch.autograd.graph._engine_run_backward",
+                          "torch.autograd.variable.Variable._execution_engine")  # fmt: skip
+
+
+def _entry_points() -> list[tuple[str, object, str, object]]:
+    """(name, owner, attribute, object) of each autograd entry point torch has here."""
+    import pkgutil
+
+    out = []
+    for dotted in _AUTOGRAD_ENTRY_POINTS:
+        owner_name, _, attr = dotted.rpartition(".")
+        try:
+            owner = pkgutil.resolve_name(owner_name)
+            out.append((dotted, owner, attr, getattr(owner, attr)))
+        except (AttributeError, ImportError, ValueError):
+            pass  # not in this torch version
+    return out
+
+
+def make_serve(sock: socket.socket, buf, spec: dict, peaks: dict) -> Callable[[dict], None]:
+    """The serving loop, every harness function it calls bound now, before any candidate code
+    runs: a candidate that rebinds this module's globals (worker.call, grad_rule, ...) or the
+    buffer's methods changes nothing that runs in its calls. The loop answers `call` (inputs
+    in the buffer -> outputs written after them; for fwd_bwd in two halves: the forward, then,
+    told the upstream gradient's seed, the backward), `peaks` (roofline, measured at start),
+    `exit`; it returns when the evaluator hangs up."""
     import torch
 
     from wanka.lab.shm import decode_inputs
 
     device, mode, grad_names = spec["device"], spec["mode"], spec["grad_inputs"]
     pool = buf.view(0, torch.float32, [spec["pool"]]) if spec["pool"] else None
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            return
-        msg = json.loads(data)
-        if msg["op"] == "exit":
-            return
-        if msg["op"] == "peaks":
-            _send(sock, peaks)
-            continue
-        inputs = None
-        try:
-            inputs = decode_inputs(buf, msg["inputs"], device)
-            if msg.get("poison"):
-                _poison([tuple(s) for s in msg["poison"]])
-            seed = msg["seed"]
-            outs = call(kernels[msg["kernel"]], inputs, mode, grad_names,
-                        lambda o, s=seed: grad_rule(o, s, pool))  # fmt: skip
-            _sync(device)
-            check_tensors(outs, device)
-            metas, _ = buf.put(list(outs), msg["out_at"])
-            reply = {"ok": True, "outs": metas}
-        except BaseException as e:  # noqa: BLE001  (a candidate may raise anything)
-            reply = _failure(e)
-        del inputs
-        _send(sock, reply)
+    fwd, bwd, rule, check, sync, send, failure, poison = (forward, backward, grad_rule,
+        check_tensors, _sync, _send, _failure, _poison)  # fmt: skip
+    loads, recv, put, get_attr = json.loads, sock.recv, buf.put, getattr
+    run_backward = torch.autograd.backward
+    watched = _entry_points()
+    shared_lo = buf.bytes.untyped_storage().data_ptr()
+    shared_hi = shared_lo + buf.nbytes
+
+    def backward_half(outs: tuple, leaves: dict) -> tuple:
+        send(sock, {"ok": True, "phase": "forward"})
+        nxt = loads(recv(1 << 16) or b"null")
+        if not isinstance(nxt, dict) or nxt.get("op") != "backward":
+            raise EOFError("the evaluator did not ask for the backward")
+        changed = [name for name, owner, attr, obj in watched
+                   if get_attr(owner, attr, None) is not obj]  # fmt: skip
+        if changed:
+            raise Rejected("tamper", f"the kernel replaced {', '.join(changed)}")
+        return bwd(outs, leaves, rule(outs, nxt["seed"], pool), run_backward)
+
+    def loop(kernels: dict[str, Callable]) -> None:
+        while True:
+            data = recv(1 << 16)
+            if not data:
+                return
+            msg = loads(data)
+            if msg["op"] == "exit":
+                return
+            if msg["op"] == "peaks":
+                send(sock, peaks)
+                continue
+            inputs = None
+            try:
+                inputs = decode_inputs(buf, msg["inputs"], device)
+                if msg.get("poison"):
+                    poison([tuple(s) for s in msg["poison"]])
+                outs, leaves = fwd(kernels[msg["kernel"]], inputs, mode, grad_names)
+                if mode == "fwd_bwd":
+                    sync(device)
+                    outs = backward_half(outs, leaves)
+                sync(device)
+                check(outs, device)
+                slots = shared_lo + msg["out_at"]  # where put() copies the outputs to
+                for i, o in enumerate(outs):  # computed there, the copy would be skipped
+                    if slots <= o.data_ptr() < shared_hi:
+                        raise Rejected("aliased", f"output {i} lives in the harness's output "
+                                       "slots: return tensors of the kernel's own")  # fmt: skip
+                metas, _ = put(list(outs), msg["out_at"])
+                reply = {"ok": True, "outs": metas}
+            except EOFError:
+                return
+            except BaseException as e:  # noqa: BLE001  (a candidate may raise anything)
+                reply = failure(e)
+            del inputs
+            send(sock, reply)
+
+    return loop
 
 
 def _fix_malloc() -> None:
@@ -370,9 +446,12 @@ def start(sock: socket.socket, spec: dict) -> None:
             untrusted[name] = Path(k["file"]).read_text()
     if spec["isolate"]:
         limits = sandbox.Limits(memory_bytes=spec["memory_bytes"], cpu_s=spec["cpu_s"])
+        # memfds hold memory no rlimit counts (RLIMIT_FSIZE caps one, not how many): a CPU
+        # kernel needs none. CUDA's runtime may, so there the memory limit is weaker.
+        deny = ("memfd_create",) if device == "cpu" else ()
         sandbox.enter(hide=spec["hide"], expose=spec["expose"], limits=limits,
                       on_pid=lambda pid: _send(sock, {"pid": pid}),
-                      seccomp=spec["seccomp"])  # fmt: skip
+                      seccomp=spec["seccomp"], deny=deny)  # fmt: skip
         isolation = {
             "sandbox": True,
             **{k: v for k, v in sandbox.STATUS.items() if k != "open_fds"},
@@ -385,13 +464,15 @@ def start(sock: socket.socket, spec: dict) -> None:
         _warm_heap()  # before the lockdown, which denies ctypes
     _lockdown(jobdir, compilers=device == "cuda")
     peaks = measure_peaks(device)  # in every server: the same allocator and library state
+    serve = make_serve(sock, buf, spec, peaks)
     for name, text in untrusted.items():
-        try:
-            kernels[name] = load_source(text, name).kernel
+        try:  # under a name of its own: `__name__ == "candidate"` must not tell it is tested
+            module = f"kernel_{os.urandom(6).hex()}"
+            kernels[name] = load_source(text, module, f"{name}.py").kernel
         except BaseException as e:  # noqa: BLE001  (a candidate may raise anything at import)
             _send(sock, {"ready": False, "status": "import_error",
                          "message": f"{type(e).__name__}: {e}"[:2000],
                          "traceback": _trim(traceback.format_exc())})  # fmt: skip
             return
     _send(sock, {"ready": True, "isolation": isolation})
-    serve(sock, buf, kernels, spec, peaks)
+    serve(kernels)
