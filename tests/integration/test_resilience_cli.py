@@ -132,3 +132,42 @@ def test_compressed_hsdp_job_recovers_bitwise_from_memory_and_disk(tmp_path):
     disk = wanka("train", *small(tmp_path, "disk"), *hsdp, "--set", f'checkpoint.load="{ck}"')
     assert disk.returncode == 0, disk.stderr[-3000:]
     assert summary(tmp_path, "disk")["state_digest"] == digest
+
+
+def test_a_fault_after_going_back_resumes_the_run_from_there_not_the_abandoned_one(reference):
+    """A copy of a finished run (checkpoints 4, 8, 12) goes back to step 4 at another lr,
+    keep = 1, a save every 2 steps, and a rank is killed in step 6. The restart resumes this
+    run (from step 4 again), not the abandoned step 12; pruning never deletes what the
+    run wrote; the newer checkpoints are kept aside; the copy does not share the original's
+    job id (its in-memory snapshots)."""
+    import shutil
+
+    tmp, _ = reference
+    run = tmp / "rollback"
+    shutil.copytree(tmp / "ref", run, symlinks=True)
+    back = run / "checkpoints" / "step-00000004"
+    r = wanka("train", *small(tmp, "rollback", keep=1), "--set", "checkpoint.every=2",
+              "--set", "train.lr=0.001", "--set", f'checkpoint.load="{back}"',
+              "--chaos", "kill@step=6,rank=1")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "goes back from this run's newer checkpoints" in r.stderr, r.stderr[-3000:]
+    # The restart (no snapshot yet: the default snapshot interval) resumes step 4 again.
+    assert r.stderr.count("step-00000004 at step 4") == 2, r.stderr[-3000:]
+    assert "step-00000012 at step 12" not in r.stderr
+    ours = [p.name for p in (run / "checkpoints").glob("step-*")]
+    assert ours == ["step-00000012"] and summary(tmp, "rollback")["steps"] == 12
+    kept = sorted(p.name for p in (run / "checkpoints").glob("superseded-*/step-*"))
+    assert kept == ["step-00000008", "step-00000012"]
+    ids = [(tmp / x / "resilience" / "job_id").read_text() for x in ("ref", "rollback")]
+    assert ids[0] != ids[1]
+
+
+def test_a_schedule_change_is_reported_when_the_resume_is_from_memory(tmp_path):
+    """Stopped (SIGTERM: last gasp, snapshots kept) and started again at another lr: the job
+    resumes from its in-memory snapshot and says that the LR curve jumps, as from disk."""
+    r = wanka("train", *small(tmp_path, "run"), "--chaos", "sigterm@step=5")
+    assert r.returncode == 75, r.stderr[-3000:]
+    r = wanka("train", *small(tmp_path, "run"), "--set", "train.lr=0.001")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from the in-memory snapshot" in r.stderr, r.stderr[-3000:]
+    assert "lr schedule changed on resume" in r.stderr, r.stderr[-3000:]

@@ -58,6 +58,10 @@ def check_common(cfg: JobConfig, samples_from_policy: bool, references_for: str 
     if cfg.checkpoint.init_weights:
         raise ValueError("checkpoint.init_weights is `wanka train`'s: post-training starts from "
                          "post.init's weights; set post.init instead")  # fmt: skip
+    if cfg.checkpoint.load not in ("latest", "none"):
+        raise ValueError(f"checkpoint.load={cfg.checkpoint.load!r}: post-training resumes from "
+                         "its own newest checkpoint ('latest') or starts over ('none'); to "
+                         "start from another run's weights, set post.init")  # fmt: skip
     positive = {"post.prompts_per_step": p.prompts_per_step,
                 "post.completion_tokens": p.completion_tokens, "post.prompt_chars": p.prompt_chars,
                 "post.samples_per_prompt": p.samples_per_prompt, "train.eval_every": cfg.train.eval_every}  # fmt: skip

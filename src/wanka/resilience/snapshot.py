@@ -278,6 +278,14 @@ class SnapshotStore:
                 pass  # not empty (another rank's) or already gone
             drop_owner_if_alone(self.job_dir)  # and the job's owner record (train/run_lock.py)
 
+    def forget(self) -> None:
+        """Uncommit every snapshot this rank holds (its own and its buddy's copy): the job
+        went back to an older checkpoint (checkpoint.load), and a restart must not restore
+        the history it left. Every rank calls it before its first snapshot."""
+        for d in (self.dir, self.replica_dir):
+            for meta in d.glob("*.meta") if d.is_dir() else ():
+                meta.unlink(missing_ok=True)
+
     def _next_slot(self, d: Path) -> int:
         """The slot the newest committed snapshot in `d` is not in."""
         newest = max(_committed(d, self.signature), default=None)

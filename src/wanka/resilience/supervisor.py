@@ -106,11 +106,22 @@ def resilience_dir(run_dir: Path) -> Path:
 
 
 def job_id(run_dir: Path) -> str:
-    """Stable for one run directory, new if it is deleted: keys the shared-memory snapshots."""
+    """Stable for one run directory, new if it is deleted or copied: keys the shared-memory
+    snapshots. A copy (`cp -a run run2`) carries the job_id file along; the folder's inode,
+    recorded beside it, tells the copy from the original (a `mv` keeps the inode, and so the
+    snapshots; nodes that share the run directory over NFS see the same inode)."""
     path = resilience_dir(run_dir) / "job_id"
-    if not path.is_file():
+    where = path.with_name("job_id.inode")
+    inode = str(Path(run_dir).stat().st_ino)
+    try:
+        copied = where.read_text().strip() != inode
+    except OSError:
+        copied = False  # recorded before inodes were: taken as the original
+    if not path.is_file() or copied:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
+    if copied or not where.is_file():
+        where.write_text(inode + "\n")
     return path.read_text().strip()
 
 

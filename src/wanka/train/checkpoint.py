@@ -94,6 +94,10 @@ def verify(path: Path) -> str | None:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{path.name}: no readable manifest"
+    named = _named_step(path)
+    if named is not None and manifest.get("step") != named:
+        return (f"{path.name}: its manifest is of step {manifest.get('step')} (a copy under "
+                "another step's name?)")  # fmt: skip
     for name, (size, digest) in files.items():
         f = path / name
         if not f.is_file():
@@ -199,13 +203,44 @@ def set_aside(path: Path) -> Path:
     return target
 
 
+def _named_step(path: Path) -> int | None:
+    """The step a checkpoint folder's name says (step-00000100 -> 100); None for any other
+    name (step-00000100.bak, a user's copy, is not a checkpoint of this run)."""
+    head, _, digits = path.name.partition("-")
+    return int(digits) if head == "step" and digits.isascii() and digits.isdigit() else None
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
-    found = [
-        p for p in root.glob("step-*") if (p / MARKER).is_file() and not (p / CORRUPT).exists()
-    ]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    found = [p for p in root.glob("step-*") if _named_step(p) is not None and p.is_dir()
+             and (p / MARKER).is_file() and not (p / CORRUPT).exists()]  # fmt: skip
+    return sorted(found, key=_named_step)
+
+
+def supersede(root: Path, loaded: Path) -> Path | None:
+    """checkpoint.load started this run from `loaded`, not from its newest checkpoint: the
+    newer ones (all of them when `loaded` is another run's) hold the history it abandons.
+    They are moved, never deleted, into ROOT/superseded-STAMP/, so that a restart after a
+    fault ('latest'), pruning to checkpoint.keep and new saves of the same steps follow the
+    new history. Returns that folder, None when nothing was moved. Rank 0 only."""
+    try:
+        here = loaded.resolve().parent == root.resolve()
+    except OSError:
+        here = False
+    from_step = Checkpointer.step_of(loaded)
+    newer = [p for p in complete_checkpoints(root) if not here or _named_step(p) > from_step]
+    if not newer:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = root / f"superseded-{stamp}", 1
+    while target.exists():
+        n += 1
+        target = root / f"superseded-{stamp}-{n}"
+    target.mkdir()
+    for p in newer:
+        os.replace(p, target / p.name)
+    return target
 
 
 class Checkpointer:

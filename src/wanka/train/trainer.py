@@ -551,7 +551,8 @@ def _snapshot_state(job: Job) -> dict:
     from wanka.resilience.snapshot import capture
 
     extra = {"loader": job.loader.state_dict(), "guard": job.runtime.guard.state_dict(),
-             "comm": reducer_states(job.model)}  # fmt: skip
+             "comm": reducer_states(job.model),
+             "lr_schedule": json.dumps(schedule_record(job.cfg.train), sort_keys=True)}  # fmt: skip
     return capture(job.model, job.optimizer, extra)
 
 
@@ -582,6 +583,15 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         raise ValueError(f"{job.run_dir} already holds checkpoints ({ckpt.latest().name}) and "
                          "checkpoint.load='none': use a new run.dir, or resume with 'latest'")  # fmt: skip
     path = None if load == "none" else (ckpt.latest_valid() if load == "latest" else Path(load))
+    if path is not None and load != "latest" and snapshots is not None:
+        snapshots.forget()  # a restart continues from here, not from what memory held before
+    if path is not None and load != "latest" and ckpt.is_main:
+        from wanka.train.checkpoint import supersede
+
+        if (aside := supersede(ckpt.root, path)) is not None:
+            log.warning("checkpoint.load=%s goes back from this run's newer checkpoints: "
+                        "moved them to %s (kept), so that restarts and pruning follow the "
+                        "run from here", load, aside)  # fmt: skip
     for problem in ckpt.skipped:  # damaged checkpoints met on the way (rank 0 knows them)
         now = time.time()
         job.runtime.event("fault", now, now, cause="checkpoint_corrupt", rank=None,
@@ -599,6 +609,8 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             load_reducer_states(job.model, extra.get("comm", []))  # same layout: always fits
             apply_hyperparameters(job.optimizer, job.cfg.train)
             info.update(source="memory", step=step)
+            # A job stopped and started again with another schedule resumes from memory too.
+            _note_schedule_change(job, extra.get("lr_schedule"), step, info)
             ckpt.say_none_usable(f"resuming from the in-memory snapshot of step {step}")
             log.info("resumed from the in-memory snapshot of step %d", step)
             return step
