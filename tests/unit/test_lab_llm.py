@@ -10,7 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from wanka.lab.evaluator import EvalConfig
+from wanka.lab import runner as runner_mod
+from wanka.lab.evaluator import EvalConfig, Feedback
+from wanka.lab.proposers.base import Proposal, Proposer
 from wanka.lab.proposers.llm import LLMProposer, extract_code
 from wanka.lab.runner import RunConfig, run_task
 from wanka.lab.store import Store
@@ -49,7 +51,8 @@ class StandIn:
                 reply = {"id": "x", "object": "chat.completion", "model": body["model"],
                          "choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": content}}]}  # fmt: skip
-                data = json.dumps(reply).encode()
+                # bytes: the whole HTTP body, as is (a malformed reply)
+                data = content if isinstance(content, bytes) else json.dumps(reply).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -133,3 +136,124 @@ def test_unreachable_or_failing_endpoint_is_one_clear_error(small_task, monkeypa
         srv.close()
     with pytest.raises(LabError, match="--llm-url"):
         LLMProposer(None, None)
+
+
+# --- malformed replies: one rejected proposal each, never the end of the run ---------------
+
+
+def body(content) -> bytes:
+    return json.dumps(
+        {"choices": [{"message": {"role": "assistant", "content": content}}]}
+    ).encode()
+
+
+SURROGATE = "```python\ndef kernel(x, weight, eps):\n    return x  # \ud800\n```"
+MALFORMED = {
+    "content 42": (body(42), "proposer returned no text (content is a int)"),
+    "content null": (body(None), "proposer returned no text"),
+    "content blank": (body("  \n"), "proposer returned no text"),
+    "content parts without text": (body([{"type": "image_url", "image_url": {}}]),
+                                   "proposer returned no text"),
+    "content a dict": (body({"text": GOOD}), "proposer returned no text (content is a dict)"),
+    "no choices": (b'{"id": "x", "object": "chat.completion"}', "no choices[0].message"),
+    "empty choices": (b'{"choices": []}', "no choices[0].message"),
+    "choices a string": (b'{"choices": "abc"}', "no choices[0].message"),
+    "message a list": (b'{"choices": [{"message": [1]}]}', "proposer returned no text"),
+    "body a list": (b"[1, 2]", "no choices[0].message"),
+    "not JSON": (b"<html>502 bad gateway</html>", "LLM reply is not JSON"),
+    "empty body": (b"", "LLM reply is not JSON"),
+    "body not UTF-8": (b'{"choices": "\xff"}', "LLM reply is not valid UTF-8 text"),
+    "deeply nested": (b"[" * 40_000 + b"]" * 40_000, "LLM reply is not JSON"),
+    "lone surrogate": (body(SURROGATE), "not valid UTF-8 text (a lone surrogate"),
+    "huge": (body("x" * 300_000), "LLM reply over 100000 bytes"),
+}  # fmt: skip
+
+
+@pytest.fixture
+def stub_eval(monkeypatch):
+    """The evaluator replaced by a stand-in that records what it was given."""
+    seen: list[str] = []
+
+    def fake(task, source, cfg, *a, **k):
+        seen.append(source)
+        return Feedback("incorrect", "stand-in verdict")
+
+    monkeypatch.setattr(runner_mod, "evaluate", fake)
+    return seen
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_reply_is_a_rejected_candidate_and_the_run_goes_on(
+    tmp_path, small_task, stub_eval, case
+):
+    reply, reason = MALFORMED[case]
+    srv = StandIn([reply, GOOD])
+    try:
+        prop = LLMProposer(srv.url, "m")
+        prop.max_reply_bytes = 100_000
+        store = Store(tmp_path / "h.sqlite")
+        logs: list[str] = []
+        out = run_task(small_task, prop, store, RunConfig(budget=2), log=logs.append)
+    finally:
+        srv.close()
+    first, second = store.candidates(out["run_id"])
+    assert first.status == "rejected" and reason in first.feedback.message
+    assert "\n" not in first.feedback.message and first.feedback.flags == ["proposal"]
+    assert store.verify(first) is None and isinstance(first.source, str)
+    assert second.status == "incorrect" and stub_eval == [extract_code(GOOD)]  # went on
+    assert store.run(out["run_id"]).finished is not None and out["evaluations"] == 2
+    # the reason reaches the model with the next prompt, like any evaluator feedback
+    assert reason in srv.requests[1]["body"]["messages"][-1]["content"]
+    assert any(reason in line for line in logs)
+
+
+def test_content_parts_are_joined(tmp_path, small_task, stub_eval):
+    parts = [{"type": "text", "text": GOOD[:40]}, {"type": "text", "text": GOOD[40:]}]
+    srv = StandIn([body(parts)])
+    try:
+        run_task(small_task, LLMProposer(srv.url, "m"), Store(tmp_path / "h.sqlite"),
+                 RunConfig(budget=1), log=lambda s: None)  # fmt: skip
+    finally:
+        srv.close()
+    assert stub_eval == [extract_code(GOOD)]
+
+
+def test_extract_code_of_no_text_is_none():
+    for answer in (None, 42, [GOOD], {"content": GOOD}, b"def kernel(x):\n    return x\n"):
+        assert extract_code(answer) is None
+
+
+class Scripted(Proposer):
+    """Any proposer (not only llm) that hands the runner something that is no source."""
+
+    name = "scripted"
+
+    def __init__(self, proposals):
+        self.proposals = list(proposals)
+
+    def propose(self, task, history):
+        return self.proposals.pop(0) if self.proposals else None
+
+
+@pytest.mark.parametrize("prop, reason", [
+    (Proposal(None), "proposer returned no text (a NoneType)"),
+    (Proposal(b"def kernel(x, weight, eps):\n    return x\n"), "proposer returned no text (a bytes)"),
+    (Proposal("def kernel(x, weight, eps):\n    return x  # \udcff\n"),
+     "not valid UTF-8 text (a lone surrogate at character 44)"),
+    (Proposal("def kernel(x, weight, eps):\n    return x\0\n"), "source contains a NUL character"),
+    (Proposal("#" * ((1 << 20) + 1)), "over the 1048576 byte limit"),
+    (Proposal("x = 1\n", note="bad \udc80 note\nsecond line", rejected="told so \udc80"),
+     "told so \\udc80"),
+])  # fmt: skip
+def test_the_runner_records_a_proposal_that_is_no_source(tmp_path, small_task, stub_eval,
+                                                        prop, reason):  # fmt: skip
+    ok = Proposal("def kernel(x, weight, eps):\n    return x\n", note="fine")
+    store = Store(tmp_path / "h.sqlite")
+    out = run_task(small_task, Scripted([prop, ok]), store, RunConfig(budget=2),
+                   log=lambda s: None)  # fmt: skip
+    first, second = store.candidates(out["run_id"])
+    assert first.status == "rejected" and reason in first.feedback.message
+    assert store.verify(first) is None and len(first.source) <= runner_mod.KEPT_BYTES
+    assert "\n" not in first.note and first.note.encode("utf-8") is not None
+    assert stub_eval == [ok.source] and second.status == "incorrect"
+    assert store.run(out["run_id"]).finished is not None

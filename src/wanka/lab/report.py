@@ -22,7 +22,7 @@ from pathlib import Path
 
 from wanka.lab.evaluator import EvalConfig, Feedback, evaluate
 from wanka.lab.policy import check_source
-from wanka.lab.store import Record, Store, sha256_text
+from wanka.lab.store import OLDER, Record, Store, sha256_text
 from wanka.lab.task import LabError, Task
 
 P_VALUES = (0.0, 1.0, 1.5, 2.0, 3.0)
@@ -38,17 +38,20 @@ def _final_speedup(r: Record) -> float | None:
 def best_per_task(store: Store) -> dict[str, dict]:
     """Per task, over all its runs: the best candidate, and the best verified one (held-out
     check passed and the record intact). Records failing the integrity check are counted in
-    "tampered" and never picked."""
+    "tampered" ("unverifiable" for the older history format) and never picked."""
     out: dict[str, dict] = {}
     for run in store.runs():
         hist = store.candidates(run.id)
+        reasons = store.audit(run.id).reasons
         row = out.setdefault(run.task, {"task": run.task, "runs": 0, "evaluations": 0,
-                                        "best": None, "verified": None, "tampered": 0})  # fmt: skip
+                                        "best": None, "verified": None, "tampered": 0,
+                                        "unverifiable": 0})  # fmt: skip
         row["runs"] += 1
         row["evaluations"] += len(hist)
         for r in hist:
-            if store.verify(r) is not None:
-                row["tampered"] += 1
+            why = reasons.get(r.id, "not in its run")
+            if why is not None:
+                row["unverifiable" if why.startswith(OLDER) else "tampered"] += 1
                 continue
             if r.correct and r.speedup and (row["best"] is None or r.speedup > row["best"].speedup):
                 row["best"] = r
@@ -82,8 +85,8 @@ def fast_p(rows: dict[str, dict], ps=P_VALUES, tasks=None) -> dict[str, float]:
 
 
 def curve(hist: list[Record], skip: frozenset[int] = frozenset()) -> list[float]:
-    """Best-so-far speedup after each evaluation (0 until something is correct); records
-    in `skip` (failed the integrity check) never count."""
+    """Best-so-far speedup after each evaluation of `hist` (0 until something is correct);
+    records in `skip` (failed the integrity check) hold their place but never count."""
     best, out = 0.0, []
     for r in hist:
         if r.correct and r.speedup and r.id not in skip:
@@ -98,15 +101,19 @@ def report(store: Store, png: Path | None = None, tasks=None) -> dict:
     runs = []
     for run in store.runs():
         hist = store.candidates(run.id)
-        bad = frozenset(r.id for r in hist if store.verify(r) is not None)
-        c = curve(hist, bad)
+        audit = store.audit(run.id)
+        bad = frozenset(i for i, why in audit.reasons.items() if why is not None)
+        # The curve walks the run's signed evaluations in their signed order; a run whose
+        # sequence was altered (rows deleted, duplicated, reordered, moved) has none to draw.
+        c = [] if audit.problem else curve(list(audit.chain), bad)
         ref = [r.reference_s / r.time_s for r in hist
                if r.correct and r.time_s and r.reference_s and r.id not in bad]  # fmt: skip
         runs.append({"run": run.id, "task": run.task, "proposer": run.proposer,
                      "evaluations": len(hist), "budget": run.budget,
                      "finished": run.finished is not None, "best_so_far": c,
                      "best_vs_reference": max(ref, default=None),
-                     "milestones": {m: c[m - 1] for m in MILESTONES if m <= len(c)}})  # fmt: skip
+                     "milestones": {m: c[m - 1] for m in MILESTONES if m <= len(c)},
+                     "integrity": audit.problem})  # fmt: skip
     board = []
     for row in sorted(rows.values(), key=lambda r: r["task"]):
         b, v = row["best"], row["verified"]
@@ -116,11 +123,13 @@ def report(store: Store, png: Path | None = None, tasks=None) -> dict:
                       "best_time_ms": b.time_s * 1e3 if b else None, "candidate": b.id if b else None,
                       "verified_candidate": v.id if v else None,
                       "held_out_speedup": v.held_out_speedup if v else None,
-                      "integrity_failures": row["tampered"]})  # fmt: skip
+                      "integrity_failures": row["tampered"],
+                      "unverifiable": row["unverifiable"]})  # fmt: skip
     names = suite(rows) if tasks is None else list(dict.fromkeys(tasks))
     out = {"leaderboard": board, "fast_p": fast_p(rows, tasks=names), "suite": names, "runs": runs}
-    if png is not None and runs:
-        plot(runs, png)
+    drawn = [r for r in runs if r["best_so_far"]]  # not the runs left out for integrity
+    if png is not None and drawn:
+        plot(drawn, png)
         out["png"] = str(png)
     return out
 
@@ -164,9 +173,19 @@ def format_report(rep: dict) -> str:
     bad = sum(b.get("integrity_failures", 0) for b in rep["leaderboard"])
     if bad:
         lines.append(f"{bad} records failed the integrity check and were left out "
-                     "(recorded before integrity checks, or written outside wanka lab)")  # fmt: skip
+                     "(written, edited or moved outside wanka lab)")  # fmt: skip
+    old = sum(b.get("unverifiable", 0) for b in rep["leaderboard"])
+    if old:
+        lines.append(f"{old} records are unverifiable (older format) and were left out: "
+                     "re-run them")  # fmt: skip
     for r in rep["runs"]:
-        ms = "  ".join(f"@{m}: {v:.2f}x" for m, v in r["milestones"].items())
+        why = r.get("integrity")
+        if why and why.startswith(OLDER):
+            ms = f"{why}; left out"
+        elif why:
+            ms = f"failed the integrity check: {why}; its best-so-far is left out"
+        else:
+            ms = "  ".join(f"@{m}: {v:.2f}x" for m, v in r["milestones"].items())
         lines.append(f"run {r['run']} {r['task']} ({r['proposer']}, {r['evaluations']}/{r['budget']}"
                      f"{'' if r['finished'] else ', unfinished'}): {ms}")  # fmt: skip
     if rep.get("png"):
@@ -241,6 +260,10 @@ def _pick(store: Store, task_name: str, candidate: int | None) -> Record:
             raise LabError(f"no candidate {candidate} in {store.path}") from None
         if store.task_of(rec.run_id) != task_name:
             raise LabError(f"candidate {candidate} is not a {task_name} candidate")
+        why = store.verify(rec)  # before reading its verdict: a tampered one means nothing
+        if why:
+            raise LabError(f"candidate {rec.id} failed the integrity check: {why}; "
+                           "re-run it with wanka lab eval")  # fmt: skip
         if not rec.correct:
             raise LabError(f"candidate {candidate} is not correct ({rec.status})")
         return rec

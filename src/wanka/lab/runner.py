@@ -8,7 +8,13 @@ best first, until one passes: its held-out speedup is the run's verified result.
 
 Only this (parent) process writes the history: the source's SHA-256 is computed here from
 the exact string handed to the evaluator, never taken from the candidate's process; rows
-that fail the store's integrity check are never held-out checked, re-signed or reported.
+that fail the store's integrity check are never held-out checked, re-signed or reported,
+and a run whose sequence of evaluations was altered is not continued.
+
+A proposal that is no usable source (not text, not valid UTF-8, a NUL character, over
+MAX_SOURCE_BYTES, or one the proposer itself marks rejected, like a malformed model reply)
+is recorded as a rejected evaluation with the reason, never evaluated, and the run goes on:
+a proposer's bad answer uses up one proposal of the budget, it never stops the run.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from wanka.lab.evaluator import EvalConfig, evaluate
-from wanka.lab.proposers.base import Proposer
-from wanka.lab.store import Record, Store, sha256_text
+from wanka.lab.evaluator import EvalConfig, Feedback, evaluate
+from wanka.lab.proposers.base import Proposal, Proposer
+from wanka.lab.store import OLDER, Record, Store, sha256_text
 from wanka.lab.task import LabError, Task
+
+MAX_SOURCE_BYTES = 1 << 20  # a candidate file larger than this is rejected unevaluated
+KEPT_BYTES = 64 << 10  # how much of a rejected oversized source the history keeps
 
 
 @dataclass(frozen=True)
@@ -51,10 +60,12 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
         run = store.run(run_id)
         if run.task != task.name:
             raise LabError(f"run {run_id} is for task {run.task}, not {task.name}")
+        _continuable(store, run_id)
         store.set_budget(run_id, cfg.budget)
     elif cfg.resume:
         run_id = store.resumable(task.name, proposer.name)
         if run_id is not None:
+            _continuable(store, run_id)
             store.set_budget(run_id, cfg.budget)
     if run_id is None:
         run_id = store.start_run(task.name, proposer.name, cfg.budget, {"eval": cfg.eval.__dict__})
@@ -67,15 +78,18 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
         if prop is None:
             log("proposer has nothing new to try")
             break
-        source = prop.source
+        source, note, why = usable(prop)
         digest = sha256_text(source)  # of the very string the evaluator gets
-        fb = evaluate(task, source, cfg.eval)
-        store.add(run_id, source, prop.config, prop.note, fb, source_sha256=digest)
+        if why:
+            fb = Feedback("rejected", why, flags=["proposal"])
+        else:
+            fb = evaluate(task, source, cfg.eval)
+        store.add(run_id, source, prop.config, note, fb, source_sha256=digest)
         history = store.candidates(run_id)
-        b = best(history)
+        b = best(intact(store, history))
         sp = f"{fb.speedup:.2f}x" if fb.correct and fb.speedup else "-"
         log(f"[{len(history)}/{cfg.budget}] {fb.status:12s} {sp:>7s}  best "
-            f"{b.speedup if b else 0:.2f}x  {prop.note}"
+            f"{b.speedup if b else 0:.2f}x  {note}"
             + ("" if fb.correct else f"  ({fb.message[:80]})"))  # fmt: skip
     verified = verify_held_out(task, store, history, cfg, log)
     store.finish(run_id)
@@ -89,6 +103,44 @@ def run_task(task: Task, proposer: Proposer, store: Store, cfg: RunConfig,
         "held_out_speedup": v.held_out_speedup if v else None,
         "elapsed_s": round(time.time() - t0, 1),
     }  # fmt: skip
+
+
+def _continuable(store: Store, run_id: int) -> None:
+    """Refuse to extend a run whose record or sequence of evaluations does not verify."""
+    why = store.audit(run_id).problem
+    if why:
+        what = "cannot be continued" if why.startswith(OLDER) else "failed the integrity check"
+        raise LabError(f"run {run_id} {what}: {why}; start a new run (wanka lab run --new)")
+
+
+def _text(x) -> str:
+    """x as storable, printable text: what is not valid UTF-8 is backslash-escaped."""
+    s = x if isinstance(x, str) else ""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def usable(prop: Proposal) -> tuple[str, str, str]:
+    """(source to record, note to record, why the proposal cannot be evaluated or "").
+    The source and note returned are always valid UTF-8 text; the source is the proposal's
+    own, unchanged, whenever the reason is empty."""
+    note = _text(getattr(prop, "note", "")).replace("\n", " ")
+    src = getattr(prop, "source", None)
+    if not isinstance(src, str):
+        return "", note, f"proposer returned no text (a {type(src).__name__})"
+    text = _text(src)
+    why = getattr(prop, "rejected", "")
+    why = _text(why).replace("\n", " ") if isinstance(why, str) else "rejected by the proposer"
+    if not why and text != src:
+        bad = next(i for i, ch in enumerate(src) if 0xD800 <= ord(ch) <= 0xDFFF)
+        why = f"not valid UTF-8 text (a lone surrogate at character {bad})"
+    if not why and "\0" in src:
+        why = f"source contains a NUL character (at character {src.index(chr(0))})"
+    size = len(text.encode("utf-8"))
+    if not why and size > MAX_SOURCE_BYTES:
+        why = f"source is {size} bytes, over the {MAX_SOURCE_BYTES} byte limit"
+    if size > MAX_SOURCE_BYTES:
+        text = text.encode("utf-8")[:KEPT_BYTES].decode("utf-8", "ignore")
+    return (text, note, why) if why else (src, note, "")
 
 
 def intact(store: Store, history: list[Record],

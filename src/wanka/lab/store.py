@@ -2,11 +2,17 @@
 and the held-out check. A run is (task, proposer, budget); an unfinished run is picked up
 again by the next `wanka lab run` for the same task and proposer (resumable).
 
-Integrity: only the parent process (runner.py) writes the history. Each candidate row
-carries the SHA-256 of its exact source and an HMAC-SHA256 over its verdict-bearing fields,
-keyed by a per-history secret in `<db>.key` (0600, next to the DB). Someone who can write
-the DB but not read the key cannot forge or edit a verdict without `verify` noticing; rows
-recorded before this check (no MAC) count as unverified.
+Integrity: only the parent process (runner.py) writes the history. Everything is signed with
+HMAC-SHA256, keyed by a per-history secret in `<db>.key` (0600, next to the DB), so someone
+who can write the DB but not read the key cannot forge, edit, delete, duplicate, reorder or
+move a record without `audit`/`verify` noticing:
+- each candidate row carries the SHA-256 of its exact source and a MAC over every column
+  as stored (its id, run, position `n`, the id of the evaluation before it `prev`, verdict,
+  timings, feedback, note, ...) and over its run's identity (random nonce and task);
+- each run carries a MAC over its record, including how many evaluations it holds and the
+  id of the last one, so a deleted, duplicated or reordered row breaks the run's sequence.
+Histories written before this format (rows signed without their position, runs unsigned;
+the runs table has no nonce) stay readable; their rows are "unverifiable (older format)".
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from wanka.lab.evaluator import Feedback
@@ -27,19 +35,34 @@ from wanka.lab.task import LabError
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
   id INTEGER PRIMARY KEY, task TEXT NOT NULL, proposer TEXT NOT NULL, budget INTEGER,
-  created REAL, finished REAL, options TEXT);
+  created REAL, finished REAL, options TEXT, nonce TEXT, evals INTEGER, head INTEGER, mac TEXT);
 CREATE TABLE IF NOT EXISTS candidates (
   id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs(id), n INTEGER,
   created REAL, source TEXT, config TEXT, note TEXT, status TEXT, correct INTEGER,
   time_s REAL, baseline_s REAL, reference_s REAL, speedup REAL, feedback TEXT,
   held_out_ok INTEGER, held_out_speedup REAL, held_out TEXT,
-  source_sha256 TEXT, mac TEXT);
+  source_sha256 TEXT, mac TEXT, prev INTEGER);
 """
 # Columns added after the first schema: ALTER TABLE'd into older histories on open.
-MIGRATIONS = (("source_sha256", "TEXT"), ("mac", "TEXT"))
-COLUMNS = ("id, run_id, n, created, source, config, note, status, correct, time_s, baseline_s,"
-           " reference_s, speedup, feedback, held_out_ok, held_out_speedup, source_sha256, mac")  # fmt: skip
+MIGRATIONS = {
+    "candidates": (("source_sha256", "TEXT"), ("mac", "TEXT"), ("prev", "INTEGER")),
+    "runs": (("nonce", "TEXT"), ("evals", "INTEGER"), ("head", "INTEGER"), ("mac", "TEXT")),
+}
+# Every stored column of a candidate but its MAC: all of them are signed, as stored.
+SIGNED = ("id", "run_id", "n", "prev", "created", "source", "config", "note", "status",
+          "correct", "time_s", "baseline_s", "reference_s", "speedup", "feedback",
+          "held_out_ok", "held_out_speedup", "held_out", "source_sha256")  # fmt: skip
+COLUMNS = ", ".join((*SIGNED, "mac"))
+RUN_SIGNED = ("id", "task", "proposer", "budget", "created", "finished", "options", "nonce",
+              "evals", "head")  # fmt: skip
+RUN_COLUMNS = ", ".join((*RUN_SIGNED, "mac"))
 KEY_BYTES = 32
+FORMAT = "v2"  # the MAC format of this schema; a MAC of the older format is bare hex
+OLDER = "unverifiable (older format"  # how every reason about an older-format record starts
+OLDER_RUN = f"{OLDER}: its runs and row positions were not signed yet)"
+OLDER_ROW = f"{OLDER}: signed before rows were bound to their run and position)"
+OLDER_UNSIGNED = f"{OLDER}: recorded before history integrity checks)"
+MISSING_MAC = "missing MAC (recorded before history integrity checks, or forged)"
 
 
 def sha256_text(source: str) -> str:
@@ -67,6 +90,9 @@ class Record:
     held_out_speedup: float | None
     source_sha256: str | None = None
     mac: str | None = None
+    prev: int | None = None  # id of the run's evaluation before this one (None: the first)
+    malformed: str | None = None  # a column of the stored row that had the wrong type
+    raw: tuple = field(default=(), repr=False, compare=False)  # the row as stored
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,50 @@ class Run:
     created: float
     finished: float | None
     options: dict
+
+
+@dataclass(frozen=True)
+class Audit:
+    """A run checked as a whole. problem: why its sequence of evaluations cannot be trusted
+    (a record deleted, duplicated, reordered, moved or altered; its record edited; the older
+    format), None when intact. reasons: per candidate id, why that row fails (None: intact).
+    chain: the run's signed evaluations in order (empty when there is a problem)."""
+
+    problem: str | None
+    reasons: dict[int, str | None]
+    chain: tuple[Record, ...] = ()
+
+    @property
+    def older(self) -> bool:
+        return bool(self.problem and self.problem.startswith(OLDER))
+
+
+@dataclass(frozen=True)
+class _RunRow:  # a run's record as stored, sanitised
+    id: int
+    task: str
+    proposer: str
+    budget: int | None
+    created: float | None
+    finished: float | None
+    options: dict
+    nonce: str | None
+    evals: int  # how many evaluations the run holds
+    head: int | None
+    mac: str | None
+    malformed: str | None
+    raw: tuple
+
+
+class _BadText(bytes):
+    """A TEXT value that is not valid UTF-8 (only an edit outside wanka lab stores one)."""
+
+
+def _text(b: bytes):
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return _BadText(b)
 
 
 class Store:
@@ -92,14 +162,15 @@ class Store:
         except FileExistsError:
             pass
         self.db = sqlite3.connect(self.path)
+        self.db.text_factory = _text  # bad UTF-8 in a TEXT column: tampering, not a crash
         self.db.executescript(SCHEMA)
-        have = {r[1] for r in self.db.execute("PRAGMA table_info(candidates)")}
-        for col, kind in MIGRATIONS:
-            if col not in have:
-                self.db.execute(f"ALTER TABLE candidates ADD COLUMN {col} {kind}")
+        for table, cols in MIGRATIONS.items():
+            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+            for col, kind in cols:
+                if col not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {kind}")
         self.db.commit()
         self._key: bytes | None = None
-        self._key_error: str | None = None
 
     def close(self) -> None:
         self.db.close()
@@ -113,9 +184,10 @@ class Store:
         try:
             key = self.key_path.read_bytes()
         except FileNotFoundError:
-            macs = self.db.execute(
-                "SELECT COUNT(*) FROM candidates WHERE mac IS NOT NULL"
-            ).fetchone()[0]
+            macs = sum(
+                self.db.execute(f"SELECT COUNT(*) FROM {t} WHERE mac IS NOT NULL").fetchone()[0]
+                for t in ("candidates", "runs")
+            )
             if macs:
                 raise LabError(
                     f"key file {self.key_path} is missing but {self.path} holds {macs} signed "
@@ -137,71 +209,172 @@ class Store:
             f.write(key)
         return key
 
-    def _mac(self, rec: Record, task: str) -> str:
+    def _hmac(self, body: dict) -> str:
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                           default=_canon)  # fmt: skip
+        return hmac.new(self.key(), canon.encode(), hashlib.sha256).hexdigest()
+
+    def _mac(self, raw: tuple, run: _RunRow) -> str:
+        """The MAC of a candidate row as stored, bound to its run's identity."""
+        body = {"kind": "candidate", "run_nonce": run.nonce, "task": run.task,
+                "row": dict(zip(SIGNED, raw[: len(SIGNED)], strict=True))}  # fmt: skip
+        return f"{FORMAT}:{self._hmac(body)}"
+
+    def _run_mac(self, run: _RunRow) -> str:
+        body = {
+            "kind": "run",
+            "run": dict(zip(RUN_SIGNED, run.raw[: len(RUN_SIGNED)], strict=True)),
+        }
+        return f"{FORMAT}:{self._hmac(body)}"
+
+    def _mac_v1(self, rec: Record, task: str) -> str:
+        """The older format's MAC (verdict fields only), to tell an older row from a forged
+        one; such a row is never trusted, whichever it is."""
         body = {
             "run_id": rec.run_id, "n": rec.n, "task": task, "source_sha256": rec.source_sha256,
-            "status": rec.status, "correct": bool(rec.correct), "time_s": _num(rec.time_s),
-            "baseline_s": _num(rec.baseline_s), "reference_s": _num(rec.reference_s),
-            "speedup": _num(rec.speedup),
+            "status": rec.status, "correct": bool(rec.correct), "time_s": rec.time_s,
+            "baseline_s": rec.baseline_s, "reference_s": rec.reference_s,
+            "speedup": rec.speedup,
             "held_out_ok": None if rec.held_out_ok is None else bool(rec.held_out_ok),
-            "held_out_speedup": _num(rec.held_out_speedup), "config": rec.config,
+            "held_out_speedup": rec.held_out_speedup, "config": rec.config,
         }  # fmt: skip
-        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return hmac.new(self.key(), canon.encode(), hashlib.sha256).hexdigest()
+        return self._hmac(body)
+
+    def _run_row(self, run_id: int) -> _RunRow | None:
+        row = self.db.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE id=?", (run_id,)).fetchone()
+        return None if row is None else _run_row(row)
 
     def task_of(self, run_id: int) -> str | None:
         """The task of a run (None when there is no such run)."""
-        row = self.db.execute("SELECT task FROM runs WHERE id=?", (run_id,)).fetchone()
-        return row[0] if row else None
+        run = self._run_row(run_id)
+        return run.task if run else None
 
-    def _sign(self, cand_id: int) -> None:
+    def _sign(self, cand_id: int, run: _RunRow) -> None:
         """(Re)compute a row's MAC from the row as the DB returns it, so that what is signed
-        is exactly what `verify` will later see (REAL columns, JSON round trips)."""
-        rec = self.candidate(cand_id)
-        mac = self._mac(rec, self.task_of(rec.run_id) or "")
+        is exactly what `verify` will later see."""
+        mac = self._mac(self.candidate(cand_id).raw, run)
         self.db.execute("UPDATE candidates SET mac=? WHERE id=?", (mac, cand_id))
 
-    def verify(self, rec: Record) -> str | None:
-        """None when the record is intact, else one line saying why it is not."""
-        if not isinstance(rec.mac, str):
-            return "missing MAC (recorded before history integrity checks, or forged)"
-        if not isinstance(rec.source_sha256, str) or not _same(
-            rec.source_sha256, sha256_text(rec.source)
-        ):
-            return "source hash mismatch (the source was changed after it was evaluated)"
-        task = self.task_of(rec.run_id)
-        if task is None:
-            return f"its run {rec.run_id} is missing from the history"
+    def _sign_run(self, run_id: int) -> None:
+        mac = self._run_mac(self._run_row(run_id))
+        self.db.execute("UPDATE runs SET mac=? WHERE id=?", (mac, run_id))
+
+    def _record_problem(self, run: _RunRow | None) -> str | None:
+        """Why a run's own record cannot be trusted (None when it can)."""
+        if run is None:
+            return "its run record is missing from the history"
+        if run.nonce is None:
+            return OLDER_RUN
+        if run.malformed:
+            return f"run record: {run.malformed}"
+        if not isinstance(run.mac, str):
+            return "run record MAC missing (written outside wanka lab)"
         try:
-            want = self._mac(rec, task)
+            want = self._run_mac(run)
         except LabError as e:
             return str(e)
-        if not _same(rec.mac, want):
-            return "MAC mismatch (the row was written or edited outside wanka lab)"
+        if not _same(run.mac, want):
+            return "run record MAC mismatch (the run was edited outside wanka lab)"
         return None
+
+    def _check(self, rec: Record, run: _RunRow | None) -> tuple[str | None, bool]:
+        """(why the row is not intact or None, whether its MAC holds: it is the run's own
+        evaluation at position n, whatever else is wrong with it)."""
+        if rec.malformed:
+            return rec.malformed, False
+        if run is None:
+            return f"its run {rec.run_id} is missing from the history", False
+        older = run.nonce is None
+        if not isinstance(rec.mac, str):
+            return (OLDER_UNSIGNED if older else MISSING_MAC), False
+        try:
+            want = self._mac_v1(rec, run.task) if older else self._mac(rec.raw, run)
+        except LabError as e:
+            return str(e), False
+        mac_ok = _same(rec.mac, want)
+        if not _same(rec.source_sha256, sha256_text(rec.source)):
+            return "source hash mismatch (the source was changed after it was evaluated)", (
+                mac_ok and not older
+            )
+        if not mac_ok:
+            return "MAC mismatch (the row was written, edited or moved outside wanka lab)", False
+        return (OLDER_ROW, False) if older else (None, True)
+
+    def verify(self, rec: Record) -> str | None:
+        """None when the row is intact (it is exactly the row its run's process signed,
+        where it signed it), else one line saying why it is not. Whether rows are missing
+        from its run is `audit`'s question."""
+        if not rec.raw or _record(rec.raw) != rec:
+            return "record does not match its stored row"
+        return self._check(rec, self._run_row(rec.run_id))[0]
+
+    def audit(self, run_id: int) -> Audit:
+        """Check a run as a whole: its record, each row, and that its signed evaluations are
+        exactly 1..count in a chain (nothing deleted, duplicated, reordered or moved in)."""
+        run = self._run_row(run_id)
+        reasons: dict[int, str | None] = {}
+        signed: list[Record] = []
+        for rec in self.candidates(run_id):
+            why, mac_ok = self._check(rec, run)
+            reasons[rec.id] = why
+            if mac_ok:
+                signed.append(rec)
+        problem = self._record_problem(run) or _sequence_problem(signed, run.evals, run.head)
+        return Audit(problem, reasons, () if problem else tuple(signed))
 
     # --- runs and candidates ------------------------------------------------------------------
     def start_run(self, task: str, proposer: str, budget: int, options: dict) -> int:
-        cur = self.db.execute(
-            "INSERT INTO runs (task, proposer, budget, created, options) VALUES (?,?,?,?,?)",
-            (task, proposer, budget, time.time(), json.dumps(options)),
-        )
-        self.db.commit()
+        self.key()  # fail before writing when the key is missing: no unsigned runs
+        try:
+            cur = self.db.execute(
+                "INSERT INTO runs (task, proposer, budget, created, options, nonce, evals)"
+                " VALUES (?,?,?,?,?,?,0)",
+                (task, proposer, budget, time.time(), json.dumps(options), secrets.token_hex(16)),
+            )
+            self._sign_run(int(cur.lastrowid))
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
         return int(cur.lastrowid)
 
     def resumable(self, task: str, proposer: str) -> int | None:
+        """The latest unfinished run of (task, proposer) in this format (an older-format run
+        cannot be extended: its rows are not bound to their positions)."""
         row = self.db.execute(
             "SELECT id FROM runs WHERE task=? AND proposer=? AND finished IS NULL "
-            "ORDER BY id DESC LIMIT 1", (task, proposer)).fetchone()  # fmt: skip
+            "AND nonce IS NOT NULL ORDER BY id DESC LIMIT 1", (task, proposer)).fetchone()  # fmt: skip
         return int(row[0]) if row else None
 
+    def _writable(self, run_id: int) -> _RunRow:
+        """The run's record, refusing one that does not verify: re-signing it would launder
+        whatever was done to it."""
+        run = self._run_row(run_id)
+        why = self._record_problem(run)
+        if why is None:
+            return run
+        if why.startswith(OLDER):
+            raise LabError(f"run {run_id} cannot be continued: {why}; start a new run "
+                           "(wanka lab run --new)")  # fmt: skip
+        raise LabError(f"run {run_id} failed the integrity check: {why}; start a new run "
+                       "(wanka lab run --new)")  # fmt: skip
+
+    def _update_run(self, run_id: int, sql: str, args: tuple) -> None:
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            self._writable(run_id)
+            self.db.execute(f"UPDATE runs SET {sql} WHERE id=?", (*args, run_id))
+            self._sign_run(run_id)
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+
     def set_budget(self, run_id: int, budget: int) -> None:
-        self.db.execute("UPDATE runs SET budget=?, finished=NULL WHERE id=?", (budget, run_id))
-        self.db.commit()
+        self._update_run(run_id, "budget=?, finished=NULL", (budget,))
 
     def finish(self, run_id: int) -> None:
-        self.db.execute("UPDATE runs SET finished=? WHERE id=?", (time.time(), run_id))
-        self.db.commit()
+        self._update_run(run_id, "finished=?", (time.time(),))
 
     def add(self, run_id: int, source: str, config: dict | None, note: str, fb: Feedback, *,
             source_sha256: str) -> int:  # fmt: skip
@@ -210,38 +383,52 @@ class Store:
         if sha256_text(source) != source_sha256:
             raise LabError("source_sha256 does not match the source being recorded")
         self.key()  # fail before writing when the key is missing: no unsigned rows
-        n = self.db.execute("SELECT COUNT(*) FROM candidates WHERE run_id=?", (run_id,)).fetchone()[
-            0
-        ]
-        cur = self.db.execute(
-            "INSERT INTO candidates (run_id, n, created, source, config, note, status, correct,"
-            " time_s, baseline_s, reference_s, speedup, feedback, source_sha256)"
-            " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (run_id, n + 1, time.time(), source, json.dumps(config) if config is not None else None,
-             note, fb.status, int(fb.correct), fb.time_s, fb.baseline_s, fb.reference_s,
-             fb.speedup, json.dumps(fb.to_dict()), source_sha256),
-        )  # fmt: skip
-        self._sign(int(cur.lastrowid))  # same transaction: the row never exists unsigned
-        self.db.commit()
-        return int(cur.lastrowid)
+        try:
+            self.db.execute("BEGIN IMMEDIATE")  # count, insert and re-sign as one
+            run = self._writable(run_id)
+            cur = self.db.execute(
+                "INSERT INTO candidates (run_id, n, prev, created, source, config, note, status,"
+                " correct, time_s, baseline_s, reference_s, speedup, feedback, source_sha256)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, run.evals + 1, run.head, time.time(), source,
+                 json.dumps(config) if config is not None else None, note, fb.status,
+                 int(fb.correct), fb.time_s, fb.baseline_s, fb.reference_s, fb.speedup,
+                 json.dumps(fb.to_dict()), source_sha256),
+            )  # fmt: skip
+            cid = int(cur.lastrowid)
+            self._sign(cid, run)  # same transaction: the row never exists unsigned
+            self.db.execute(
+                "UPDATE runs SET evals=?, head=? WHERE id=?", (run.evals + 1, cid, run_id)
+            )
+            self._sign_run(run_id)
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return cid
 
     def set_held_out(self, cand_id: int, fb: Feedback) -> None:
         # Re-signing a row that does not verify would launder a forged one: refuse.
         why = self.verify(self.candidate(cand_id))
         if why:
             raise LabError(f"candidate {cand_id} failed the integrity check: {why}")
-        self.db.execute(
-            "UPDATE candidates SET held_out_ok=?, held_out_speedup=?, held_out=? WHERE id=?",
-            (int(fb.correct), fb.speedup, json.dumps(fb.to_dict()), cand_id),
-        )
-        self._sign(cand_id)
-        self.db.commit()
+        rec = self.candidate(cand_id)
+        try:
+            self.db.execute(
+                "UPDATE candidates SET held_out_ok=?, held_out_speedup=?, held_out=? WHERE id=?",
+                (int(fb.correct), fb.speedup, json.dumps(fb.to_dict()), cand_id),
+            )
+            self._sign(cand_id, self._run_row(rec.run_id))
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
 
     def run(self, run_id: int) -> Run:
-        row = self.db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-        if row is None:
+        r = self._run_row(run_id)
+        if r is None:
             raise KeyError(run_id)
-        return Run(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6] or "{}"))
+        return Run(r.id, r.task, r.proposer, r.budget, r.created, r.finished, r.options)
 
     def runs(self, task: str | None = None) -> list[Run]:
         q, args = "SELECT id FROM runs", ()
@@ -251,7 +438,7 @@ class Store:
 
     def candidates(self, run_id: int) -> list[Record]:
         rows = self.db.execute(
-            f"SELECT {COLUMNS} FROM candidates WHERE run_id=? ORDER BY n", (run_id,)
+            f"SELECT {COLUMNS} FROM candidates WHERE run_id=? ORDER BY n, id", (run_id,)
         ).fetchall()
         return [_record(r) for r in rows]
 
@@ -262,32 +449,136 @@ class Store:
         return _record(row)
 
 
-def _same(a: str, b: str) -> bool:
+def _sequence_problem(signed: list[Record], count: int, head: int | None) -> str | None:
+    """Why the rows whose MAC holds are not exactly the run's evaluations 1..count, each
+    following the one before (None when they are)."""
+    at: dict[int, list[Record]] = defaultdict(list)
+    for r in signed:
+        at[r.n].append(r)
+    for n in sorted(at):
+        if len(at[n]) > 1:
+            return f"evaluation {n} appears {len(at[n])} times"
+        if not 1 <= n <= count:
+            return (f"evaluation {n} is beyond the {count} its record counts (rows deleted and "
+                    "the run record rolled back)")  # fmt: skip
+    prev = None
+    for n in range(1, count + 1):
+        if n not in at:
+            return (f"evaluation {n} of {count} is missing (deleted, or altered so that it "
+                    "fails its check)")  # fmt: skip
+        if at[n][0].prev != prev:
+            return f"evaluation {n} does not follow evaluation {n - 1}"
+        prev = at[n][0].id
+    if head != prev:
+        return "its last evaluation is not the one its record names"
+    return None
+
+
+def _canon(v):
+    if isinstance(v, bytes):  # a BLOB, or a TEXT value that is not UTF-8
+        return {"bytes": v.hex(), "text": isinstance(v, _BadText)}
+    raise TypeError(f"unexpected {type(v).__name__} in a stored row")
+
+
+def _same(a, b: str) -> bool:
+    if not isinstance(a, str):
+        return False
     # bytes: compare_digest refuses non-ASCII str, and a forged row may hold anything
     return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode("utf-8", "replace"))
 
 
-def _num(x: float | None) -> float | None:
-    # SQLite REAL columns hand back floats even for ints stored: sign the float form.
-    return None if x is None else float(x)
+def _show(v) -> str:
+    kind = "text that is not UTF-8" if isinstance(v, _BadText) else f"a {type(v).__name__}"
+    return f"{kind} ({repr(v)[:40]})"
+
+
+class _Types:
+    """Reads a stored row's columns into the types the code expects, noting the first that
+    is off (only an edit outside wanka lab stores one) instead of failing later on it."""
+
+    def __init__(self, row: dict):
+        self.row, self.bad = row, None
+
+    def _off(self, name: str, want: str) -> None:
+        if self.bad is None:
+            self.bad = f"column {name} holds {_show(self.row[name])}, not {want}"
+
+    def int(self, name: str, default=None, *, allowed=None, null: bool = True):
+        v = self.row[name]
+        if v is None and null:
+            return None
+        if isinstance(v, int) and not isinstance(v, bool) and (allowed is None or v in allowed):
+            return v
+        self._off(name, "an integer" if allowed is None else f"one of {sorted(allowed)}")
+        return default
+
+    def num(self, name: str):
+        v = self.row[name]
+        if v is None:
+            return None
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+        self._off(name, "a finite number")
+        return None
+
+    def str(self, name: str, default=None, *, null: bool = True):
+        v = self.row[name]
+        if isinstance(v, str) or (v is None and null):
+            return v
+        self._off(name, "text")
+        return default
+
+    def json(self, name: str):
+        v = self.str(name)
+        if v is None:
+            return None
+        try:
+            return json.loads(v)
+        except (ValueError, RecursionError):
+            self._off(name, "JSON")
+            return None
 
 
 def _record(r) -> Record:
-    # Tolerant of rows written outside wanka lab: they must still load (and fail `verify`)
-    # rather than break the report.
+    # Tolerant of rows written outside wanka lab: they must still load (and fail `verify`,
+    # with the column that is off) rather than break the report.
+    row = dict(zip((*SIGNED, "mac"), r, strict=True))
+    t = _Types(row)
+    rec = {
+        "id": t.int("id", 0), "run_id": t.int("run_id", 0, null=False),
+        "n": t.int("n", 0, null=False), "prev": t.int("prev"), "source": t.str("source", "", null=False),
+        "config": t.json("config"), "status": t.str("status", "?", null=False),
+        "correct": bool(t.int("correct", 0, allowed={0, 1}, null=False)),
+        "time_s": t.num("time_s"), "baseline_s": t.num("baseline_s"),
+        "reference_s": t.num("reference_s"), "speedup": t.num("speedup"),
+        "held_out_ok": t.int("held_out_ok", 0, allowed={0, 1}),
+        "held_out_speedup": t.num("held_out_speedup"),
+        "source_sha256": t.str("source_sha256"), "mac": t.str("mac"),
+    }  # fmt: skip
+    if rec["held_out_ok"] is not None:
+        rec["held_out_ok"] = bool(rec["held_out_ok"])
+    malformed = t.bad  # the signed columns above; the rest only need to be usable
     try:
-        fb = Feedback.from_dict(json.loads(r[13]))
-    except (TypeError, ValueError):
+        fb = Feedback.from_dict(json.loads(row["feedback"]))
+        fb.summary()
+    except Exception:  # noqa: BLE001  (whatever was stored there, the row must load)
         fb = Feedback("error", "unreadable feedback in the history")
-    try:
-        config = json.loads(r[5]) if r[5] else None
-    except ValueError:
-        config = None
-    return Record(
-        id=r[0], run_id=r[1], n=r[2], created=r[3], source=r[4] if isinstance(r[4], str) else "",
-        config=config,
-        note=r[6] or "", status=r[7], correct=bool(r[8]), time_s=r[9], baseline_s=r[10],
-        reference_s=r[11], speedup=r[12], feedback=fb,
-        held_out_ok=None if r[14] is None else bool(r[14]), held_out_speedup=r[15],
-        source_sha256=r[16], mac=r[17],
+    created = row["created"] if isinstance(row["created"], int | float) else 0.0
+    note = row["note"] if isinstance(row["note"], str) else ""
+    return Record(**rec, created=created, note=note, feedback=fb, malformed=malformed,
+                  raw=tuple(r))  # fmt: skip
+
+
+def _run_row(r) -> _RunRow:
+    row = dict(zip((*RUN_SIGNED, "mac"), r, strict=True))
+    t = _Types(row)
+    task, proposer = t.str("task", "?", null=False), t.str("proposer", "?", null=False)
+    budget, created, finished = t.int("budget"), t.num("created"), t.num("finished")
+    options = t.json("options")
+    nonce, evals, head, mac = t.str("nonce"), t.int("evals", 0), t.int("head"), t.str("mac")
+    return _RunRow(
+        id=t.int("id", 0), task=task, proposer=proposer, budget=budget, created=created,
+        finished=finished, options=options if isinstance(options, dict) else {},
+        nonce=nonce, evals=evals or 0, head=head, mac=mac, malformed=t.bad,
+        raw=tuple(r),
     )  # fmt: skip

@@ -16,6 +16,9 @@ class Proposal:
     source: str
     config: dict | None = None  # the variant-space point, when there is one
     note: str = ""  # one line on where it came from (shown in reports)
+    # Why this is no candidate at all (a malformed model reply): the runner records it as a
+    # rejected evaluation with this reason, without evaluating it, and goes on.
+    rejected: str = ""
 
 
 class Proposer(ABC):

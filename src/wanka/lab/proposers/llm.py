@@ -8,6 +8,12 @@ error, timings). Held-out shapes and held-out results never enter a prompt. The 
 first ```python block (or the whole answer if it has none but defines kernel) becomes the
 candidate; an answer without code is recorded like any failed candidate, and its feedback
 goes into the next prompt.
+
+A reply that arrives but is unusable (not JSON, no choices[0].message, content that is not
+text, no text at all, text that is not valid UTF-8, over MAX_REPLY_BYTES) is a rejected
+proposal with the reason: the runner records it and goes on to the next call. Only a
+transport failure (unreachable endpoint, an HTTP error status) stops the run, which the next
+`wanka lab run` resumes.
 """
 
 from __future__ import annotations
@@ -32,10 +38,18 @@ SYSTEM = (
 )
 MAX_SOURCE = 8000  # characters of a previous candidate quoted in the prompt
 MAX_ERROR = 1500
+MAX_REPLY_BYTES = 8 << 20  # a larger HTTP body is not read further: the reply is rejected
+
+
+class MalformedReply(LabError):
+    """The endpoint answered, but with nothing usable: one proposal is rejected, the run
+    goes on."""
 
 
 def extract_code(answer: str) -> str | None:
     """The candidate file in a model's answer, or None."""
+    if not isinstance(answer, str):
+        return None
     blocks = re.findall(r"```(?:python|py)?[ \t]*\n(.*?)```", answer, flags=re.S)
     for b in blocks:
         if "def kernel" in b or "kernel" in b:
@@ -89,8 +103,11 @@ class LLMProposer(Proposer):
             raise LabError("the llm proposer needs an endpoint and a model: --llm-url URL "
                            "--llm-model NAME (or WANKA_LLM_URL / WANKA_LLM_MODEL)")  # fmt: skip
         self.temperature, self.timeout_s = temperature, timeout_s
+        self.max_reply_bytes = MAX_REPLY_BYTES
 
     def chat(self, messages: list[dict]) -> str:
+        """The answer's text. LabError when the endpoint cannot be reached or answers an HTTP
+        error; MalformedReply (a LabError) when it answers something unusable."""
         body = json.dumps({"model": self.model, "messages": messages,
                            "temperature": self.temperature}).encode()  # fmt: skip
         headers = {"Content-Type": "application/json"}
@@ -99,27 +116,57 @@ class LLMProposer(Proposer):
         req = urllib.request.Request(self.url + "/chat/completions", body, headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                data = json.loads(resp.read().decode())
+                raw = resp.read(self.max_reply_bytes + 1)
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:200].replace("\n", " ")
+            detail = e.read(4096).decode(errors="replace")[:200].replace("\n", " ")
             raise LabError(f"LLM endpoint {self.url} answered HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise LabError(f"LLM endpoint {self.url} unreachable: {reason}") from None
-        except json.JSONDecodeError:
-            raise LabError(f"LLM endpoint {self.url} did not answer JSON") from None
+        if len(raw) > self.max_reply_bytes:
+            raise MalformedReply(f"LLM reply over {self.max_reply_bytes} bytes (not read further)")
         try:
-            return data["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise LabError(f"LLM endpoint {self.url}: no choices[0].message.content in the answer") from None  # fmt: skip
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise MalformedReply("LLM reply is not valid UTF-8 text") from None
+        except (ValueError, RecursionError):
+            raise MalformedReply("LLM reply is not JSON") from None
+        return _content(data)
 
     def propose(self, task: Task, history: list[Record]) -> Proposal | None:
         prompt = build_prompt(task, history)
-        answer = self.chat([{"role": "system", "content": SYSTEM},
-                            {"role": "user", "content": prompt}])  # fmt: skip
+        try:
+            answer = self.chat([{"role": "system", "content": SYSTEM},
+                                {"role": "user", "content": prompt}])  # fmt: skip
+        except MalformedReply as e:
+            return Proposal("", None, f"llm {self.model}: malformed reply", rejected=str(e))
         code = extract_code(answer)
         if code is None:
             return Proposal(
                 "", None, "llm answer had no code block: " + answer[:120].replace("\n", " ")
             )
         return Proposal(code, None, f"llm {self.model}")
+
+
+def _content(data) -> str:
+    """The text of choices[0].message.content: a string, or a list of content parts whose
+    text parts are joined. MalformedReply when there is none, or it is not valid UTF-8."""
+    try:
+        msg = data["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        raise MalformedReply("LLM reply has no choices[0].message") from None
+    content = msg.get("content") if isinstance(msg, dict) else None
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = [p.get("text") if isinstance(p, dict) else p for p in content]
+        content = "".join(p for p in parts if isinstance(p, str))
+    if content is not None and not isinstance(content, str):
+        raise MalformedReply(f"proposer returned no text (content is a {type(content).__name__})")
+    if not content or not content.strip():
+        raise MalformedReply("proposer returned no text")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise MalformedReply(
+            f"LLM reply is not valid UTF-8 text (a lone surrogate at character {e.start})"
+        ) from None
+    return content
