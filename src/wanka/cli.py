@@ -31,15 +31,6 @@ supervisor that recovers from crashed, hung and slow ranks. Runs on CUDA GPUs, A
 and the CPU. Start with `wanka train configs/demo.toml`; bad input exits 2 with one line."""
 
 
-def _smallest_world(par) -> int:
-    """The fewest ranks a ParallelConfig's degrees fit (dp_shard = -1 counts as 1)."""
-    import math
-
-    if par.dp_shard > 0:
-        return par.dp_replicate * par.dp_shard * par.cp
-    return par.dp_replicate * math.lcm(par.ep, par.cp)  # ep must divide dp_shard x cp
-
-
 def _train(args: argparse.Namespace) -> int:
     from wanka.config import load_config
     from wanka.distributed.launch import inside_torchrun
@@ -49,7 +40,7 @@ def _train(args: argparse.Namespace) -> int:
                          "to start on this node")  # fmt: skip
     cfg = load_config(args.config, args.set)
     if args.nproc is None:  # the smallest world the config's degrees fit on this node
-        args.nproc = _smallest_world(cfg.parallel)
+        args.nproc = cfg.parallel.smallest_world()
     if inside_torchrun():  # a rank: the `wanka train` that launched it holds the run directory
         return _train_rank(cfg)
     from wanka.train.run_lock import job_start
@@ -95,8 +86,12 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
     try:
         ParallelDims.from_config(cfg.parallel, args.nproc * nnodes)
     except ValueError as e:
-        fit = _smallest_world(cfg.parallel)
-        raise ValueError(f"{e}; use --nproc {max(fit // nnodes, 1)} or change [parallel]") from None
+        fit = max(cfg.parallel.smallest_world() // nnodes, 1)
+        try:  # suggest a rank count only where the degrees fit at all
+            ParallelDims.from_config(cfg.parallel, fit * nnodes)
+        except ValueError:
+            raise ValueError(f"{e}; change [parallel]") from None
+        raise ValueError(f"{e}; use --nproc {fit} or change [parallel]") from None
     if args.nnodes is None:  # fail here, once, not in N ranks behind torchrun
         from wanka.train.trainer import check_data
 

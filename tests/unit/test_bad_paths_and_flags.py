@@ -127,3 +127,10 @@ def test_host_malloc_tuning_yields_to_explicit_settings(monkeypatch, env, calls)
     monkeypatch.setattr(device.ctypes, "CDLL", lambda *a: Libc())
     device.keep_freed_host_memory()
     assert len(made) == calls
+
+
+def test_check_without_nproc_checks_the_world_train_would_start(capsys):
+    """`wanka train configs/demo.toml` starts the smallest world its degrees fit (ep = 2: two
+    ranks); `wanka check` used to assume one rank and failed the demo's own config."""
+    assert main(["check", "configs/demo.toml", "--no-live"]) == 0, capsys.readouterr()
+    assert "ready to launch" in capsys.readouterr().out

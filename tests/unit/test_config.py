@@ -37,6 +37,8 @@ def test_flavor_then_explicit_keys(tmp_path):
         ('[train]\nphase = "warm"\n', "train.phase", "'sparse'"),
         ("[data]\nseq_len = 99999\n", "data.seq_len", "max_seq_len"),
         ("[train]\nmicro_batch_size = 0\n", "train.micro_batch_size", "positive"),
+        # 1e12 passed and every rank then asked for 32 TB in its first backward.
+        ("[comm]\nint8_block = 1000000000000\n", "comm.int8_block", "at most 4096"),
     ],
 )
 def test_bad_configs_name_the_field(tmp_path, text, path, fragment):

@@ -366,3 +366,12 @@ def test_simulate_1024_ranks_ranks_dynamic_first() -> None:
     thr = {lay: r["throughput"] for lay, r in out.items()}
     assert thr["dynamic"] > thr["head_tail"] > thr["contiguous"]
     assert out["dynamic"]["bound_imbalance"] <= imb["dynamic"]
+
+
+@pytest.mark.parametrize("bad", [{"linear": float("inf")}, {"sparse": float("nan")},
+                                 {"gather": float("inf")}])  # fmt: skip
+def test_a_cost_model_with_non_finite_coefficients_is_refused(bad):
+    """NaN passed the range checks (comparisons with NaN are false) and Infinity made the
+    plan give one rank twice its budget (found by an attacker)."""
+    with pytest.raises(ValueError, match="finite"):
+        CostModel(**bad)

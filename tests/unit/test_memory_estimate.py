@@ -289,7 +289,12 @@ def test_model_refuses_an_ep_that_does_not_divide_the_experts(capsys):
     assert len(err.strip().splitlines()) == 1
     assert "--ep 64 does not divide model.n_experts=160" in err and "40" in err
     rc, _, err = run_model(capsys, "tiny", "--dp", "3", "--ep", "2")
-    assert rc == 2 and "must divide --dp 3" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "must divide --dp x --cp = 3" in err and len(err.strip().splitlines()) == 1
+    # As in training, EP borrows from dp x cp: a layout `wanka train` runs is estimated.
+    rc, out, _ = run_model(capsys, "tiny", "--dp", "2", "--ep", "4", "--cp", "2", "--ac", "off")
+    assert rc == 0 and "total" in out
+    rc, _, err = run_model(capsys, "tiny", "--ep", "0")
+    assert rc == 2 and "--ep 0 must be positive" in err  # not "--dp 0" (it defaults to --ep)
 
 
 def test_model_x25_defaults_to_a_production_layout(capsys):

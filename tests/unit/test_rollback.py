@@ -97,3 +97,18 @@ def test_forget_uncommits_every_snapshot_a_rank_holds(tmp_path):
     store.forget()
     assert not list(store.dir.glob("*.meta"))
     store.close(discard=True)
+
+
+def test_a_snapshot_of_another_layout_is_noted_before_it_is_dropped(tmp_path):
+    """A relaunch on another layout cannot restore the snapshot: the store says which step it
+    drops (the resume warns), where it used to vanish silently (found by an attacker)."""
+    from wanka.resilience.snapshot import SnapshotStore
+
+    old = SnapshotStore(tmp_path, "job", "n0", 0, 1, 1, replica=False, signature="world2")
+    old.save(3, {"model": {"w": torch.ones(4)}, "optim": {}, "extra": {}})
+    old.wait()
+    assert old.other_layout_step is None
+    new = SnapshotStore(tmp_path, "job", "n0", 0, 1, 1, replica=False, signature="world1")
+    assert new.other_layout_step == 3
+    assert not list(new.dir.glob("*world2*"))  # dead weight in shared memory: gone
+    new.close(discard=True)

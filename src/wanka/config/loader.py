@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 from wanka.config.schema import JobConfig, ModelConfig
 
 MAX_INT = 10**12  # beyond any step count, size or degree a job can use; keeps loops finite
+MAX_INT8_BLOCK = 4096  # elements per int8 block (one fp32 scale each)
 
 
 class ConfigError(ValueError):
@@ -188,6 +189,9 @@ def validate(cfg: JobConfig) -> None:
     for path, v in positive.items():
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+    if cfg.comm.int8_block > MAX_INT8_BLOCK:  # a scale per block: 1e12 allocates terabytes
+        raise ConfigError("comm.int8_block", f"{cfg.comm.int8_block} elements per block: at "
+                          f"most {MAX_INT8_BLOCK} (typical: 64-1024; one scale per block)")  # fmt: skip
     for path, v in {"model.n_dense_layers": m.n_dense_layers, "model.n_shared_experts": m.n_shared_experts,
                     "model.init_std": m.init_std, "train.lr": t.lr, "train.weight_decay": t.weight_decay,
                     "train.grad_clip": t.grad_clip, "model.seq_balance_loss_weight": m.seq_balance_loss_weight,

@@ -120,6 +120,15 @@ class ParallelConfig:
     # the slow link carries one gradient all-reduce of a shard, not per-layer gathers).
     dp_replicate: int = 1
 
+    def smallest_world(self) -> int:
+        """The fewest ranks the degrees fit (dp_shard = -1 counts as 1): what `wanka train`
+        and `wanka check` use when --nproc is not given."""
+        import math
+
+        if self.dp_shard > 0:
+            return self.dp_replicate * self.dp_shard * self.cp
+        return self.dp_replicate * math.lcm(self.ep, self.cp)  # ep must divide dp_shard x cp
+
 
 @dataclass
 class CommConfig:

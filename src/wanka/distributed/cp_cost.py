@@ -33,6 +33,7 @@ Only their ratios matter for balancing; ``fit`` replaces them with measured ones
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -62,8 +63,11 @@ class CostModel:
 
     def __post_init__(self) -> None:
         coefs = (self.linear, self.sparse, self.dense)
-        if min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1 or self.gather < 0:
-            raise ValueError(f"cost model needs non-negative, not all zero coefficients: {self}")
+        finite = all(math.isfinite(c) for c in (*coefs, self.gather))  # NaN compares false
+        if not finite or min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1 or self.gather < 0:
+            raise ValueError(
+                f"cost model needs finite, non-negative, not all zero coefficients: {self}"
+            )
 
     def terms(
         self, start: np.ndarray | int, end: np.ndarray | int

@@ -146,19 +146,20 @@ def model_main(args: argparse.Namespace) -> int:
     m = cfg.model
     lay, src = resolve(args, cfg)
     dp, ep = lay["dp"], lay["ep"]
-    if dp < 1 or ep < 1:
-        return _fail(f"--dp {dp} and --ep {ep} must be positive")
+    cp = lay["cp"]
+    for flag, value in (("--ep", ep), ("--dp", dp)):  # --dp defaults to --ep
+        if value < 1:
+            return _fail(f"{flag} {value} must be positive")
     if m.n_experts % ep:
         return _fail(f"--ep {ep} does not divide model.n_experts={m.n_experts} of "
                      f"{m.flavor}: use one of {_divisors(m.n_experts)}")  # fmt: skip
-    if dp % ep:
-        return _fail(f"--ep {ep} must divide --dp {dp} (expert parallelism borrows its ranks "
-                     "from data parallelism)")  # fmt: skip
-    if lay["seq_len"] < 1 or lay["micro_batch"] < 1:
-        return _fail("--seq-len and --micro-batch must be positive")
-    cp = lay["cp"]
     if cp < 1:
         return _fail(f"--cp {cp} must be positive (1 = no context parallelism)")
+    if (dp * cp) % ep:  # as in training: EP borrows its ranks from dp x cp
+        return _fail(f"--ep {ep} must divide --dp x --cp = {dp * cp} (expert parallelism "
+                     "borrows its ranks from data and context parallelism)")  # fmt: skip
+    if lay["seq_len"] < 1 or lay["micro_batch"] < 1:
+        return _fail("--seq-len and --micro-batch must be positive")
     if cp > 1 and lay["ac"] != "off":
         return _fail("context parallelism (--cp > 1) runs without activation checkpointing: "
                      "add --ac off")  # fmt: skip

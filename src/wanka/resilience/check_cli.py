@@ -30,6 +30,8 @@ def _check(a: argparse.Namespace) -> int:
     live = a.live if a.live is not None else cfg.resilience.preflight == "full"
     if inside_torchrun():  # started per node by torchrun / `wanka cluster launch -- check ...`
         return _check_as_rank(cfg, live, a.timeout)
+    if a.nproc is None:  # as `wanka train`: the smallest world the degrees fit
+        a.nproc = cfg.parallel.smallest_world()
     if a.nproc < 1:
         print(f"wanka check: --nproc must be >= 1, got {a.nproc}", file=sys.stderr)
         return 2
@@ -76,7 +78,9 @@ def add_check_parser(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("config", nargs="?", help="TOML job file (defaults when omitted)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field")  # fmt: skip
-    c.add_argument("--nproc", type=int, default=1, help="ranks per node the job will use")
+    c.add_argument("--nproc", type=int, default=None,
+                   help="ranks per node the job will use (default: as `wanka train`, the "
+                   "fewest the [parallel] degrees fit)")  # fmt: skip
     c.add_argument("--live", action=argparse.BooleanOptionalAction, default=None,
                    help="also start the ranks: backend, links, burn-in, free memory (default: "
                         "resilience.preflight='full')")  # fmt: skip

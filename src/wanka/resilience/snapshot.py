@@ -191,6 +191,13 @@ class SnapshotStore:
             self._group = dist.new_group(backend="gloo")
             self._thread = threading.Thread(target=self._loop, name="wanka-snapshot", daemon=True)
             self._thread.start()
+        # A snapshot of another layout (world size, degrees, model) cannot restore onto this
+        # one: its newest step, for the resume to say what it drops, then it goes.
+        self.other_layout_step = max(
+            (_meta_step(m) for d in (self.dir, self.replica_dir) if d.is_dir()
+             for m in d.glob("step-*.meta") if f".{signature}." not in m.name),
+            default=None,
+        )  # fmt: skip
         for d in (self.dir, self.replica_dir):
             _sweep(d, signature)
 
@@ -443,6 +450,13 @@ class SnapshotStore:
 
 def _meta_name(step: int, slot: int, signature: str) -> str:
     return f"step-{step:08d}.s{slot}.{signature}.meta"
+
+
+def _meta_step(meta: Path) -> int:
+    try:
+        return int(meta.name.split(".")[0].split("-")[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def _committed(d: Path, signature: str) -> list[tuple[int, int]]:

@@ -328,6 +328,10 @@ def _forward_backward(job: Job, micro: list[tuple[Batch, CPLayout | None]], phas
         if not torch.isfinite(loss.detach()):
             sums[0] = float("nan")
     rt.progress.enter("optimizer", step)
+    if phase == "dense_warmup":  # only the indexers train: under compressed HSDP the others
+        for name, p in model.named_parameters():  # got zeros (whole layouts), which AdamW
+            if ".indexer." not in name:  # would step (weight decay, state, bias correction)
+                p.grad = None
     # Under HSDP a replica holds every gradient element once: sum squares over one replica.
     shard = job.dims.mesh("shard").get_group() if job.dims.hsdp_enabled else None
     grad_norm = clip_grad_norm(list(model.parameters()), cfg.train.grad_clip, group=shard)
@@ -597,6 +601,12 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         job.runtime.event("fault", now, now, cause="checkpoint_corrupt", rank=None,
                           node=job.runtime.node, detail=problem)  # fmt: skip
     disk_step = ckpt.step_of(path) if path is not None else 0
+    lost = getattr(snapshots, "other_layout_step", None)
+    if lost is not None and lost > disk_step and load == "latest" and ckpt.is_main:
+        log.warning("the in-memory snapshot of step %d was taken with another parallel layout "
+                    "(world size, degrees or model) and cannot restore onto this one: it was "
+                    "dropped, and the run resumes from step %d (a layout change keeps what the "
+                    "newest checkpoint holds)", lost, disk_step)  # fmt: skip
     if snapshots is not None and load == "latest":
         from wanka.resilience.snapshot import apply
 
