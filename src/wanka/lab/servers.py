@@ -199,12 +199,16 @@ class Server:
         t0 = time.perf_counter()
         self.sock.send(msg)
         data = self._recv()
+        forward: list = []
         if self.two_halves:
             half = self._parse(data)
             if half.get("ok") is not True:
                 raise self._failed(half)
             if half.get("phase") != "forward":
                 raise reject("protocol", f"the {self.role}'s process skipped the forward half")
+            # Its forward outputs are kept now, before it may learn the upstream gradient: a
+            # reply sent early (forged from inside the kernel) must already hold the forward.
+            forward = [v.clone() for v in self._outputs(half, end)]
             self.sock.send(then)
             data = self._recv()
         dt = time.perf_counter() - t0
@@ -212,6 +216,22 @@ class Server:
         reply = self._parse(data)
         if reply.get("ok") is not True:
             raise self._failed(reply)
+        views = self._outputs(reply, end)
+        outs = [v.clone() for v in views]
+        if forward and (len(outs) < len(forward)
+                        or not all(_same(a, b) for a, b in zip(forward, outs))):  # fmt: skip
+            raise reject("protocol", f"the {self.role}'s forward outputs changed after the "
+                         "forward half")  # fmt: skip
+        self.last = list(zip(views, outs))
+        for name, t in inputs.items():
+            if isinstance(t, torch.Tensor) and not _same(
+                t.cpu(), self.buf.get(metas[name]["tensor"])
+            ):
+                raise reject("input_write", f"the {self.role} wrote into input {name}")
+        return dt, (c1 - c0 if c0 is not None and c1 is not None else dt), outs
+
+    def _outputs(self, reply: dict, end: int) -> list[torch.Tensor]:
+        """The buffer views a reply describes, validated (outputs start after the inputs)."""
         try:
             if not isinstance(reply.get("outs"), list) or any(m is None for m in reply["outs"]):
                 raise ShmError("no output list")
@@ -221,14 +241,7 @@ class Server:
         except (ShmError, TypeError, KeyError) as e:
             raise reject("protocol", f"the {self.role}'s process described its outputs "
                           f"wrongly: {e}") from None  # fmt: skip
-        outs = [v.clone() for v in views]
-        self.last = list(zip(views, outs))
-        for name, t in inputs.items():
-            if isinstance(t, torch.Tensor) and not _same(
-                t.cpu(), self.buf.get(metas[name]["tensor"])
-            ):
-                raise reject("input_write", f"the {self.role} wrote into input {name}")
-        return dt, (c1 - c0 if c0 is not None and c1 is not None else dt), outs
+        return views
 
     def outputs_unchanged(self) -> bool:
         return all(_same(v, c) for v, c in self.last)

@@ -45,8 +45,13 @@ class Buffer:
                 os.ftruncate(fd, nbytes)  # sparse: pages exist only once written
             finally:
                 os.close(fd)
-        self.nbytes = nbytes
-        self.bytes = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        self.path, self.nbytes = str(path), nbytes
+        self.bytes = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def another_mapping(self) -> Buffer:
+        """The same file mapped again: writes through it are seen here, but bump no version
+        counter of this mapping's views (autograd checks those of inputs saved for backward)."""
+        return Buffer(self.path, self.nbytes)
 
     def view(self, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]):
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -293,13 +293,17 @@ def _entry_points() -> list[tuple[str, object, str, object]]:
     return out
 
 
-def make_serve(sock: socket.socket, buf, spec: dict, peaks: dict) -> Callable[[dict], None]:
+def make_serve(
+    sock: socket.socket, buf, out_buf, spec: dict, peaks: dict
+) -> Callable[[dict], None]:
     """The serving loop, every harness function it calls bound now, before any candidate code
     runs: a candidate that rebinds this module's globals (worker.call, grad_rule, ...) or the
     buffer's methods changes nothing that runs in its calls. The loop answers `call` (inputs
     in the buffer -> outputs written after them; for fwd_bwd in two halves: the forward, then,
     told the upstream gradient's seed, the backward), `peaks` (roofline, measured at start),
-    `exit`; it returns when the evaluator hangs up."""
+    `exit`; it returns when the evaluator hangs up. `out_buf`: a second mapping of `buf`
+    (Buffer.another_mapping), which the outputs are written through: the forward's, written
+    before the backward, would otherwise bump the version counter the input views share."""
     import torch
 
     from wanka.lab.shm import decode_inputs
@@ -308,14 +312,25 @@ def make_serve(sock: socket.socket, buf, spec: dict, peaks: dict) -> Callable[[d
     pool = buf.view(0, torch.float32, [spec["pool"]]) if spec["pool"] else None
     fwd, bwd, rule, check, sync, send, failure, poison = (forward, backward, grad_rule,
         check_tensors, _sync, _send, _failure, _poison)  # fmt: skip
-    loads, recv, put, get_attr = json.loads, sock.recv, buf.put, getattr
+    loads, recv, put, get_attr = json.loads, sock.recv, out_buf.put, getattr
     run_backward = torch.autograd.backward
     watched = _entry_points()
-    shared_lo = buf.bytes.untyped_storage().data_ptr()
-    shared_hi = shared_lo + buf.nbytes
+    mappings = [(b.bytes.untyped_storage().data_ptr(), b.nbytes) for b in (buf, out_buf)]
 
-    def backward_half(outs: tuple, leaves: dict) -> tuple:
-        send(sock, {"ok": True, "phase": "forward"})
+    def slot_check(outs: tuple, out_at: int) -> None:
+        for i, o in enumerate(outs):  # computed where put() copies to, the copy is skipped
+            ptr = o.data_ptr() if o.device.type == "cpu" else -1
+            if any(lo + out_at <= ptr < lo + n for lo, n in mappings):
+                raise Rejected("aliased", f"output {i} lives in the harness's output slots: "
+                               "return tensors of the kernel's own")  # fmt: skip
+
+    def backward_half(outs: tuple, leaves: dict, out_at: int) -> tuple:
+        # The forward's outputs go out first: the evaluator keeps them and sends the seed of
+        # the upstream gradient only then, so the backward cannot have been done already.
+        check(outs, device)
+        slot_check(outs, out_at)
+        metas, _ = put(list(outs), out_at)
+        send(sock, {"ok": True, "phase": "forward", "outs": metas})
         nxt = loads(recv(1 << 16) or b"null")
         if not isinstance(nxt, dict) or nxt.get("op") != "backward":
             raise EOFError("the evaluator did not ask for the backward")
@@ -344,14 +359,10 @@ def make_serve(sock: socket.socket, buf, spec: dict, peaks: dict) -> Callable[[d
                 outs, leaves = fwd(kernels[msg["kernel"]], inputs, mode, grad_names)
                 if mode == "fwd_bwd":
                     sync(device)
-                    outs = backward_half(outs, leaves)
+                    outs = backward_half(outs, leaves, msg["out_at"])
                 sync(device)
                 check(outs, device)
-                slots = shared_lo + msg["out_at"]  # where put() copies the outputs to
-                for i, o in enumerate(outs):  # computed there, the copy would be skipped
-                    if slots <= o.data_ptr() < shared_hi:
-                        raise Rejected("aliased", f"output {i} lives in the harness's output "
-                                       "slots: return tensors of the kernel's own")  # fmt: skip
+                slot_check(outs, msg["out_at"])
                 metas, _ = put(list(outs), msg["out_at"])
                 reply = {"ok": True, "outs": metas}
             except EOFError:
@@ -432,6 +443,7 @@ def start(sock: socket.socket, spec: dict) -> None:
     if spec.get("cpus"):  # both servers on the same cores: the scheduler cannot favour one
         os.sched_setaffinity(0, spec["cpus"])
     buf = Buffer(jobdir / f"{role}.shm", spec["nbytes"])
+    out_buf = buf.another_mapping()  # (before the sandbox hides the file)
     kernels: dict[str, Callable] = {}
     untrusted: dict[str, str] = {}
     for name, k in spec["kernels"].items():
@@ -464,7 +476,7 @@ def start(sock: socket.socket, spec: dict) -> None:
         _warm_heap()  # before the lockdown, which denies ctypes
     _lockdown(jobdir, compilers=device == "cuda")
     peaks = measure_peaks(device)  # in every server: the same allocator and library state
-    serve = make_serve(sock, buf, spec, peaks)
+    serve = make_serve(sock, buf, out_buf, spec, peaks)
     for name, text in untrusted.items():
         try:  # under a name of its own: `__name__ == "candidate"` must not tell it is tested
             module = f"kernel_{os.urandom(6).hex()}"
