@@ -89,7 +89,7 @@ def test_disk_full_schedule():
         ("disk_full@step=3,keep_mb=-1", "keep_mb must be >= 0"),
         ("disk_full@step=3,max_gb=0", "max_gb must be > 0"),
         ("disk_full@for=3", "say when"),
-        ("disk_full@step=3,keep_mb=1.5", "key=number"),
+        ("disk_full@step=3,keep_mb=1.5", "keep_mb must be a whole number"),
     ],
 )
 def test_disk_full_schedule_errors(bad, msg):
@@ -385,7 +385,7 @@ def test_preflight_fails_on_a_full_checkpoint_disk(tmp_path):
         assert check().ok  # 2 x 22 MiB fit in 64
         fill_disk(root, 0, 1 << 62)
         r = check()
-        assert not r.ok and "0.0 GiB free" in r.message and "free disk space" in r.message
+        assert not r.ok and "0 KiB free" in r.message and "free disk space" in r.message
 
 
 def test_disk_full_rows_of_the_drill_table(tmp_path):

@@ -61,10 +61,16 @@ def read_meta(path: str | Path) -> dict:
     """meta.json of a complete dataset dir; ValueError (one line) if missing or inconsistent."""
     path = Path(path)
     meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise ValueError(f"no prepared dataset at {path} (missing meta.json); {_fix_hint(path)}")
     try:
-        meta = json.loads(meta_file.read_text())
+        if not meta_file.is_file():
+            raise ValueError(f"no prepared dataset at {path} (missing meta.json); "
+                             f"{_fix_hint(path)}")  # fmt: skip
+        text = meta_file.read_text()
+    except PermissionError as e:
+        raise ValueError(f"the dataset at {path} cannot be read ({e.strerror}): make it "
+                         "readable for this user, or use another dataset") from None  # fmt: skip
+    try:
+        meta = json.loads(text)
         if not isinstance(meta, dict):
             raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
@@ -331,7 +337,15 @@ def ensure_builtin_dataset(cache_dir: str | Path, tokenizer_spec: str | None = N
         why = "a file is in the way" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
         raise ValueError(f"data.cache_dir={str(cache_dir)!r} cannot be made a folder "
                          f"({why}): point it at a writable directory") from None  # fmt: skip
-    return prepare_documents(builtin_documents(), path, tokenizer, val_fraction=0.01, seed=0)
+    try:
+        return prepare_documents(builtin_documents(), path, tokenizer, val_fraction=0.01, seed=0)
+    except OSError as e:  # the built-in corpus is prepared there on first use
+        why = e.strerror or str(e)
+        fix = ("free space there or point data.cache_dir at another disk"
+               if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+               "make it writable, or point data.cache_dir at a writable directory")  # fmt: skip
+        raise ValueError(f"data.cache_dir={str(cache_dir)!r}: the built-in corpus cannot be "
+                         f"prepared there ({why}): {fix}") from None  # fmt: skip
 
 
 def main_prepare(

@@ -81,6 +81,33 @@ class Fault:
         return self.kind + "@" + ",".join(f"{k}={v}" for k, v in keys.items() if v is not None)
 
 
+# The keys each kind takes (a typo must not pass silently: `rnak=1` would kill rank 0). nan and
+# slow fire inside the ranks, at a step only.
+KEYS = {
+    "kill": ("step", "t", "rank"),
+    "stop": ("step", "t", "rank"),
+    "node_kill": ("step", "t", "node"),
+    "link_cut": ("step", "t", "node", "for"),
+    "fail_start": ("node", "times"),
+    "slow": ("step", "rank", "ms", "steps"),
+    "nan": ("step", "rank"),
+    "sigterm": ("step", "t"),
+    "corrupt_ckpt": ("step", "t"),
+    "truncate_ckpt": ("step", "t"),
+    "disk_full": ("step", "t", *DISK_FULL_PARAMS),
+}
+_SHOWN = {"step": "step=N", "t": "t=SECONDS", "rank": "rank=R", "node": "node=N",
+          "for": "for=SECONDS", "times": "times=N", "ms": "ms=MS", "steps": "steps=N",
+          "keep_mb": "keep_mb=MIB", "max_gb": "max_gb=GIB"}  # fmt: skip
+POSITIVE = ("for", "times", "ms", "steps", "max_gb")  # > 0; every other value >= 0
+
+
+def takes(kind: str) -> str:
+    """The keys a fault kind takes, as the errors show them: "kill takes step=N, t=SECONDS,
+    rank=R"."""
+    return f"{kind} takes " + ", ".join(_SHOWN[k] for k in KEYS[kind])
+
+
 def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
     """--chaos's faults; `world` (the job's ranks, when known here) bounds their rank=."""
     faults = []
@@ -93,14 +120,24 @@ def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
             raise ValueError(f"chaos fault {item!r}: unknown kind {kind!r} "
                              f"(one of {', '.join(OUTSIDE + INSIDE)})")  # fmt: skip
         f = Fault(kind, id=i)
+        seen: set[str] = set()
         for kv in filter(None, (x.strip() for x in rest.split(","))):
-            k, eq, v = kv.partition("=")
-            try:
-                val = float(v) if k == "t" or k in FLOAT_PARAMS else int(v)
-            except ValueError:
-                raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number") from None
-            if not eq:
-                raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number")
+            k, eq, v = (x.strip() for x in kv.partition("="))
+            if not eq or not k:
+                raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number ({takes(kind)})")
+            if k not in KEYS[kind]:
+                raise ValueError(f"chaos fault {item!r}: unknown parameter {k!r} ({takes(kind)})")
+            if k in seen:
+                raise ValueError(f"chaos fault {item!r}: {k}= given twice: give it once")
+            seen.add(k)
+            f_val = _number(item, kv, v, kind)
+            if k == "t" or k in FLOAT_PARAMS:
+                val = f_val
+            elif f_val.is_integer():
+                val = int(f_val)
+            else:
+                raise ValueError(f"chaos fault {item!r}: {kv!r}: {k} must be a whole number "
+                                 f"({takes(kind)})")  # fmt: skip
             if k == "step":
                 if val < 1:
                     raise ValueError(f"chaos fault {item!r}: steps count from 1 (step=1 is the "
@@ -111,7 +148,8 @@ def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
             else:
                 f.params[k] = val
         if kind != "fail_start" and f.step is None and f.t is None:
-            raise ValueError(f"chaos fault {item!r}: say when, with step=N or t=SECONDS")
+            when = "step=N" if kind in ("nan", "slow") else "step=N or t=SECONDS"
+            raise ValueError(f"chaos fault {item!r}: say when, with {when} ({takes(kind)})")
         if kind == "disk_full":
             _check_disk_full(f, item)
         if kind in ("node_kill", "link_cut"):
@@ -121,8 +159,34 @@ def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
         if f.rank is not None and world is not None and not 0 <= f.rank < world:
             raise ValueError(f"chaos fault {item!r}: rank={f.rank}, but the job has {world} "
                              f"rank(s): 0..{world - 1}")  # fmt: skip
+        for k, v in [("t", f.t), ("rank", f.rank), *f.params.items()]:
+            if v is None:
+                continue
+            if k in POSITIVE and v <= 0:
+                raise ValueError(f"chaos fault {item!r}: {k} must be > 0 ({takes(kind)})")
+            if v < 0:
+                raise ValueError(f"chaos fault {item!r}: {k} must be >= 0 ({takes(kind)})")
         faults.append(f)
     return faults
+
+
+def _number(item: str, kv: str, v: str, kind: str) -> float:
+    try:
+        val = float(v)
+    except ValueError:
+        raise ValueError(f"chaos fault {item!r}: {kv!r} must be key=number "
+                         f"({takes(kind)})") from None  # fmt: skip
+    if val != val or val in (float("inf"), float("-inf")):
+        raise ValueError(f"chaos fault {item!r}: {kv!r} must be a finite number ({takes(kind)})")
+    return val
+
+
+def beyond_the_job(faults: list[Fault], steps: int) -> list[str]:
+    """One line for each fault whose step the job (train.steps) never reaches: it would
+    never fire, and a drill would pass without it."""
+    return [f"chaos fault {f.spec()!r} never fires: step {f.step + 1} is beyond train.steps="
+            f"{steps}; give a step of 1..{steps}" for f in faults
+            if f.step is not None and f.step >= steps]  # fmt: skip
 
 
 def _check_disk_full(f: Fault, item: str) -> None:
@@ -156,7 +220,10 @@ class ChaosDriver:
     """Fires the outside faults of a schedule while the supervisor polls heartbeats."""
 
     def __init__(self, faults: list[Fault], run_dir: Path, job: str, snapshot_root: str,
-                 timeline, job_pid: int | None = None) -> None:  # fmt: skip
+                 timeline, job_pid: int | None = None, steps: int | None = None,
+                 says: str = "wanka train:") -> None:  # fmt: skip
+        """`steps`: the job's train.steps, when known: a fault beyond it is said (one line
+        each), as it would never fire."""
         self.faults, self.run_dir, self.job = faults, Path(run_dir), job
         self.job_pid = job_pid or os.getpid()
         self.job_pids: list[int] = []  # several (a cluster baseline's torchruns): all get SIGTERM
@@ -185,6 +252,8 @@ class ChaosDriver:
         for f in faults:  # refuse now, in one line, rather than at step N of a long job
             if f.kind == "disk_full":
                 check_fill_allowed(self.ckpt_dir, fill_cap_bytes(f))
+        for line in beyond_the_job(faults, steps) if steps is not None else ():
+            print(f"{says} {line}", file=sys.stderr, flush=True)
 
     def worker_spec(self) -> str:
         """Inside faults not yet fired, for the ranks of the next attempt."""

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -46,11 +47,12 @@ class Timeouts:
     def __init__(self, path: Path, factor: float, floor: float, initial: float) -> None:
         self.path, self.factor, self.floor, self.initial = Path(path), factor, floor, initial
         self.learned: dict[str, float] = {}
-        if self.path.is_file():
-            try:
+        self._unsaved: str | None = None  # why the last save failed (said once)
+        try:
+            if self.path.is_file():
                 self.learned = {k: float(v) for k, v in json.loads(self.path.read_text()).items()}
-            except (ValueError, AttributeError):
-                self.learned = {}  # a torn file only costs the learned values
+        except (OSError, ValueError, AttributeError, TypeError):
+            self.learned = {}  # a torn or unreadable file only costs the learned values
 
     def observe(self, beats: Iterable[Beat]) -> None:
         """The slowest rank's recent pace per phase replaces what was learned before (the
@@ -72,15 +74,34 @@ class Timeouts:
         floor = max(self.floor, IO_FLOOR_S) if phase in IO_PHASES else self.floor
         return max(floor, self.factor * seen) if seen > 0 else self.initial
 
-    def save(self) -> None:
+    def save(self) -> bool:
+        """Persist the learned limits; False when that failed (a full disk, say): one line the
+        first time, the temp file removed, and the job goes on with the limits in memory."""
         # A temp name per writer: supervisors of several nodes may share the run directory,
         # and two renames of one shared temp file race (the second finds it gone).
-        fd, tmp = tempfile.mkstemp(
-            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-        )
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(self.learned, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(
+                dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
+            )
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.learned, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            why = e.strerror or str(e)
+            if self._unsaved is None:
+                print(f"wanka: learned hang time-outs not saved to {self.path} ({why}); the "
+                      "job goes on with them in memory (a later start learns them again)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            self._unsaved = why
+            return False
+        self._unsaved = None
+        return True
 
 
 @dataclass(frozen=True)

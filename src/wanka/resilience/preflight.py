@@ -277,6 +277,48 @@ def _writable(path: Path) -> tuple[Path, str]:
     return p, ""
 
 
+def size_text(n: float) -> str:
+    """Bytes for a message, precise at every scale: GiB from 1 GiB on, MiB below (a 37 MB disk
+    is never "0.0 GiB free"), KiB below 1 MiB."""
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def replaced_checkpoints(cfg, root: Path) -> list[Path]:
+    """The complete checkpoints in `root` that new saves prune (keep = checkpoint.keep):
+    every one when the job resumes from 'latest'; with checkpoint.load naming one of them,
+    those up to it (the newer ones are moved aside and kept, train/checkpoint.py supersede);
+    none when it names another run's checkpoint."""
+    from wanka.train.checkpoint import Checkpointer, complete_checkpoints
+
+    done = complete_checkpoints(root)
+    load = cfg.checkpoint.load
+    if load == "latest":
+        return done
+    if load == "none":
+        return []
+    try:
+        here = Path(load).resolve().parent == root.resolve()
+    except OSError:
+        here = False
+    step = Checkpointer.step_of(Path(load))
+    return [p for p in done if here and Checkpointer.step_of(p) <= step]
+
+
 def _check_checkpoint(cfg) -> CheckResult:
     ck = cfg.checkpoint
     if ck.load not in ("latest", "none") and not Path(ck.load).is_dir():
@@ -291,8 +333,27 @@ def _check_checkpoint(cfg) -> CheckResult:
         return CheckResult("checkpoint", False, f"{root} is not writable: {why}; set run.dir "
                            "to a writable directory")  # fmt: skip
     size = param_counts(cfg).total * 12  # fp32 params + 2 Adam moments (DCP, unsharded total)
-    need, free = (ck.keep + 1) * size, shutil.disk_usage(anchor).free
-    msg = f"{root}: {ck.keep + 1} x {size / GIB:.2f} GiB needed, {free / GIB:.1f} GiB free"
+    # What is on disk already counts: the checkpoints new saves replace (pruned to keep) and
+    # the partial folders of saves that never finished (removed before any new save). At most
+    # keep + 1 checkpoints are on disk at once (the newest being written), and the first new
+    # save is written before an existing one goes.
+    existing = replaced_checkpoints(cfg, root)
+    sizes = [_tree_bytes(p) for p in existing]
+    if sizes:
+        size = max(size, sizes[-1])  # the newest real one: DCP's files, metadata, manifest
+    held = sum(sizes)
+    from wanka.train.checkpoint import PARTIAL
+
+    partial = sum(_tree_bytes(p) for p in root.glob(PARTIAL + "*")) if root.is_dir() else 0
+    need = max(size, (ck.keep + 1) * size - held) - partial
+    free = shutil.disk_usage(anchor).free
+    msg = f"{root}: {ck.keep + 1} x {size_text(size)} needed"
+    if held or partial:
+        kept = f"{len(sizes)} existing checkpoint(s) ({size_text(held)}) that new saves replace"
+        gone = f"unfinished saves ({size_text(partial)}) removed first"
+        parts = [kept] * bool(held) + [gone] * bool(partial)
+        msg += f" ({size_text(max(need, 0))} beyond the {' and '.join(parts)})"
+    msg += f", {size_text(free)} free"
     if free < need:
         return CheckResult("checkpoint", False, msg + ": free disk space, lower checkpoint.keep "
                            "or move run.dir")  # fmt: skip
@@ -317,7 +378,7 @@ def _check_snapshot(cfg, world_size: int, nnodes: int) -> CheckResult:
     copies = 2 * (2 if r.snapshot_replica and nnodes > 1 else 1)
     need = copies * per_rank * (world_size // max(nnodes, 1))
     free = shutil.disk_usage(anchor).free
-    msg = f"{root}: {need / GIB:.2f} GiB needed per node, {free / GIB:.1f} GiB free"
+    msg = f"{root}: {size_text(need)} needed per node, {size_text(free)} free"
     if free < need:
         return CheckResult("snapshot", False, msg + ": grow the tmpfs, move "
                            "resilience.snapshot_dir or set resilience.snapshot_every=0 (off)")  # fmt: skip

@@ -182,7 +182,7 @@ class Supervisor:
         self.timeouts = Timeouts(self.dir / "timeouts.json", self.rc.hang_factor,
                                  self.rc.hang_floor_s, self.rc.hang_initial_s)  # fmt: skip
         self.chaos = ChaosDriver(chaos or [], self.run_dir, self.job, self.rc.snapshot_dir,
-                                 self.timeline)  # fmt: skip
+                                 self.timeline, steps=cfg.train.steps, says=self.says)  # fmt: skip
         self.outcomes: list[Outcome] = []
         self.attempt = 0
         self.cluster = None
@@ -339,9 +339,11 @@ class Supervisor:
                 self._catch_stop_requests()
                 stop.set()
                 watcher.join()
-        except SignalException as e:  # ours, delivered between the agent's return and the swap
-            if not self._ours(e.sigval):
-                raise
+        except SignalException as e:  # delivered between the agent's return and the swap:
+            if not self._ours(e.sigval):  # ours, or a second stop request (Ctrl-C twice)
+                self._preempt.set()
+                if out.cause not in ("preempted", "success"):  # a finished job stays finished
+                    out.cause, out.detail = "preempted", f"signal {e.sigval}"
             self._catch_stop_requests()
             stop.set()
             watcher.join()
@@ -391,9 +393,17 @@ class Supervisor:
     def _catch_stop_requests(self) -> None:
         """A stop request between attempts (or on the cluster, where no elastic agent runs in
         this process) must end the job, not be lost or raise: the local elastic agent installs
-        its own handlers for the length of an attempt."""
+        its own handlers for the length of an attempt. It leaves them behind: a second Ctrl-C
+        after the first would raise its SignalException wherever this process then is (the
+        interpreter's exit: a bare traceback); so its SIGINT, SIGHUP and SIGQUIT handlers
+        are replaced too (never Python's own KeyboardInterrupt before the first attempt)."""
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_stop_request)
+        from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            if signal.getsignal(sig) is _terminate_process_handler:
+                signal.signal(sig, self._on_stop_request)
 
     def _on_stop_request(self, signum: int, _frame) -> None:
         if not self._ours(signum):

@@ -68,7 +68,57 @@ class CheckpointWriteError(ValueError):
     def __init__(self, step: int, root: Path, reason: str, t0: float) -> None:
         self.step, self.root, self.reason, self.t0, self.t1 = step, root, reason, t0, time.time()
         super().__init__(f"checkpoint of step {step} could not be written to {root}: {reason}; "
-                         "free space there (or move run.dir) and run the same command again")  # fmt: skip
+                         f"{advice(reason)} and run the same command again")  # fmt: skip
+
+
+IN_THE_WAY = "is in the way of this save"
+
+
+def advice(reason: str) -> str:
+    """What to do about a failed write, from its one-line reason (write_failure's)."""
+    if IN_THE_WAY in reason:
+        return "fix its permissions or move it away" if "cannot be read" in reason else (
+            "move or delete it")  # fmt: skip
+    if reason.startswith((os.strerror(errno.EACCES), os.strerror(errno.EPERM),
+                          os.strerror(errno.EROFS))):  # fmt: skip
+        return "make that directory writable (or move run.dir)"
+    if reason.startswith((os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))):
+        return "free space there (or move run.dir)"
+    return "check that disk (or move run.dir)"
+
+
+def in_the_way(path: Path) -> str | None:
+    """Why `path`, where a checkpoint is to be renamed into place, cannot be replaced: a file
+    or a link (not a checkpoint of ours: never deleted), or a folder that cannot be read."""
+    try:
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            what = "a symbolic link" if path.is_symlink() else "a file"
+            return f"{path} is {what}, not a checkpoint folder, and {IN_THE_WAY}"
+        why = unreadable(path) if path.is_dir() else None
+    except OSError as e:  # its folder cannot be searched
+        why = e.strerror or str(e)
+    return f"{path} cannot be read ({why}) and {IN_THE_WAY}" if why else None
+
+
+def unreadable(path: Path) -> str | None:
+    """Why the checkpoint folder `path` cannot be looked into (e.g. "Permission denied"),
+    None when it can."""
+    try:
+        os.listdir(path)
+        os.stat(path / MARKER)
+    except PermissionError as e:
+        return e.strerror or str(e)
+    except OSError:
+        pass  # missing or odd: the manifest check says what
+    return None
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file(), False also where the folder cannot be searched (no permission)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _sha256(path: Path) -> str:
@@ -89,10 +139,30 @@ def write_manifest(path: Path, step: int) -> None:
 
 def verify(path: Path) -> str | None:
     """None if every file matches the manifest, else what is wrong (one line)."""
+    return _check(path)[0]
+
+
+def _check(path: Path) -> tuple[str | None, bool]:
+    """(what is wrong or None, whether it is damage): a checkpoint that cannot be read (no
+    permission) is not damaged: it is skipped, never flagged CORRUPT."""
+    if why := unreadable(path):
+        return f"{path.name}: cannot be read ({why}); fix its permissions to use it", False
+    try:
+        return _check_files(path), True
+    except (ValueError, TypeError):  # a manifest entry of another shape
+        return f"{path.name}: no readable manifest", True
+    except OSError as e:  # no permission: skipped; an I/O error: damaged
+        name = Path(e.filename or "").name or "a file"
+        fix = "; fix its permissions to use it" if isinstance(e, PermissionError) else ""
+        return (f"{path.name}: {name} cannot be read ({e.strerror or e}){fix}",
+                not isinstance(e, PermissionError))  # fmt: skip
+
+
+def _check_files(path: Path) -> str | None:
     try:
         manifest = json.loads((path / MARKER).read_text())
         files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, FileNotFoundError, IsADirectoryError):
         return f"{path.name}: no readable manifest"
     named = _named_step(path)
     if named is not None and manifest.get("step") != named:
@@ -174,8 +244,9 @@ def step_dir(root: Path, step: int) -> Path:
 
 def remove_partials(root: Path) -> list[Path]:
     """Remove the `.partial-` directories of saves that never finished (a hang or a kill mid-
-    save). Only at job start, under the run-directory lock (train/run_lock.py): no live
-    writer can own one then. Returns what was removed."""
+    save). Only where no live writer can own one: at job start, under the run-directory lock
+    (train/run_lock.py), and by rank 0 of an attempt the supervisor relaunched (before it
+    saves anything: Checkpointer.clear_partials). Returns what was removed."""
     gone = []
     for p in sorted(root.glob(PARTIAL + "*")) if root.is_dir() else ():
         shutil.rmtree(p, ignore_errors=True)
@@ -184,11 +255,20 @@ def remove_partials(root: Path) -> list[Path]:
     return gone
 
 
+def relaunched() -> bool:
+    """A rank of an attempt the supervisor relaunched after a fault (not the job's first)."""
+    try:
+        attempt = int(os.environ.get("WANKA_ATTEMPT", "1"))
+    except ValueError:
+        return False
+    return os.environ.get("WANKA_SUPERVISED") == "1" and attempt > 1
+
+
 def damaged_checkpoints(root: Path) -> list[Path]:
     """Checkpoints flagged CORRUPT (also those renamed aside), kept for inspection."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if (p / CORRUPT).is_file())
+    return sorted(p for p in root.glob("step-*") if _is_file(p / CORRUPT))
 
 
 def set_aside(path: Path) -> Path:
@@ -214,8 +294,34 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.glob("step-*") if _named_step(p) is not None and p.is_dir()
-             and (p / MARKER).is_file() and not (p / CORRUPT).exists()]  # fmt: skip
+             and _is_file(p / MARKER) and not _exists(p / CORRUPT)]  # fmt: skip
     return sorted(found, key=_named_step)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:
+        return True  # cannot tell: not taken for a sound checkpoint
+
+
+def unreadable_checkpoints(root: Path) -> list[tuple[Path, str]]:
+    """Checkpoint folders (step-N) that cannot be looked into, with why (e.g. "Permission
+    denied"): neither loaded, pruned nor flagged; latest_valid() says it skips them."""
+    if not root.is_dir():
+        return []
+    try:
+        names = os.listdir(root)
+    except PermissionError as e:
+        return [(root, e.strerror or str(e))]
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        p = root / name
+        if _named_step(p) is not None and p.is_dir() and (why := unreadable(p)):
+            out.append((p, why))
+    return out
 
 
 def supersede(root: Path, loaded: Path) -> Path | None:
@@ -251,6 +357,7 @@ class Checkpointer:
         self._pending: tuple[Any, Path, int, float, bool] | None = None
         self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
         self.none_usable = 0  # latest_valid() found only damaged checkpoints: how many
+        self.unreadable = 0  # ... and how many it could not read (permissions)
         self.last_save_seconds = 0.0
         self.failures: list[CheckpointWriteError] = []  # failed writes not yet report()ed
         self.failed_in_a_row = 0
@@ -278,14 +385,22 @@ class Checkpointer:
         # Written beside the final name and renamed into place when complete: a step saved
         # again (say, after a resume) never exposes a half-rewritten directory.
         partial = self.root / f"{PARTIAL}{path.name}"
-        if self.is_main and partial.exists():
-            shutil.rmtree(partial)
+        blocked = None
+        if self.is_main:
+            blocked = in_the_way(path)  # said before the write, not after it
+            try:
+                if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+                    partial.unlink()  # wanka's own name: no one else's data
+                elif partial.exists():
+                    shutil.rmtree(partial)
+            except OSError as e:  # said by every rank alike, below
+                blocked = blocked or write_failure(e, self.root)
         if dist.is_initialized():
             dist.barrier()
         state = self._state()
         state["train"] = {"step": step, "rng": torch.get_rng_state(), **train_state}
         _, problem = self._attempt(self._save_rank_local, partial)
-        problem = self._agree(problem)
+        problem = self._agree(problem or blocked)
         if problem is not None:
             self._failed(step, partial, problem, t0, must_succeed)
             return None
@@ -388,16 +503,19 @@ class Checkpointer:
             try:
                 write_manifest(partial, step)
                 final = step_dir(self.root, step)
-                if (final / CORRUPT).exists():  # never overwritten: kept for inspection
+                if problem := in_the_way(final):
+                    pass  # a file (never deleted), or a folder that cannot be read
+                elif (final / CORRUPT).exists():  # never overwritten: kept for inspection
                     aside = set_aside(final)
                     log.warning("checkpoint %s was flagged corrupt; moved to %s (kept for "
                                 "inspection) to save step %d", final, aside.name, step)  # fmt: skip
                 elif final.exists():
                     shutil.rmtree(final)
-                os.replace(partial, final)
+                if problem is None:
+                    os.replace(partial, final)
             except OSError as e:
                 problem = write_failure(e, self.root)
-            else:
+            if problem is None:
                 for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
                     shutil.rmtree(old, ignore_errors=True)
         # The others wait here (a checkpoint phase), not in the next step.
@@ -419,9 +537,10 @@ class Checkpointer:
         self.failed_in_a_row += 1
         if must_succeed:
             raise err
+        fix = advice(reason)
         log.error("checkpoint of step %d NOT written to %s: %s. Training goes on (in-memory "
                   "snapshots still cover crashed ranks); the next scheduled save tries again. "
-                  "Free space there or move run.dir.", step, self.root, reason)  # fmt: skip
+                  "%s.", step, self.root, reason, fix[:1].upper() + fix[1:])  # fmt: skip
         if self.failed_in_a_row >= WARN_IN_A_ROW:
             # Going on is still right: stopping would throw away every step since the newest
             # checkpoint, which the snapshots now hold, and would not free the disk.
@@ -454,6 +573,14 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=0)
         return bool(box[0])
 
+    def clear_partials(self) -> None:
+        """Rank 0 of a relaunched attempt: remove the `.partial-` folders of saves the attempt
+        before left unfinished (a rank killed mid-save). No writer is left: every rank of that
+        attempt was ended before this one's ranks met, and the supervisor holding the run
+        lock keeps every other job out."""
+        for p in remove_partials(self.root):
+            log.warning("removed %s: left by a checkpoint save that never finished", p)
+
     def latest(self) -> Path | None:
         done = complete_checkpoints(self.root)
         return done[-1] if done else None
@@ -464,17 +591,35 @@ class Checkpointer:
         each; when none is usable, say_none_usable() says so in one line instead."""
         found = None
         if self.is_main:
-            problems = []
+            if relaunched():
+                self.clear_partials()
+            problems, unusable = [], []
+            for path, why in unreadable_checkpoints(self.root):
+                unusable.append(path)
+                name = f"checkpoint {path.name}" if path != self.root else f"folder {path}"
+                log.error("skipping %s: cannot be read (%s); fix its permissions to use it",
+                          name, why)  # fmt: skip
             for path in reversed(complete_checkpoints(self.root)):
-                problem = verify(path)
+                if path in unusable:
+                    continue
+                problem, damaged = _check(path)
                 if problem is None:
                     found = str(path)
                     break
+                if not damaged:  # unreadable (permissions): skipped, never flagged
+                    unusable.append(path)
+                    log.error("skipping checkpoint %s", problem)
+                    continue
                 problems.append(problem)
-                (path / CORRUPT).write_text(problem + "\n")
+                try:
+                    (path / CORRUPT).write_text(problem + "\n")
+                except OSError as e:  # a read-only disk: skipped all the same, said once
+                    log.error("checkpoint %s could not be flagged corrupt (%s)", path.name,
+                              e.strerror or e)  # fmt: skip
             self.skipped += problems
             damaged = 0 if found else len(damaged_checkpoints(self.root))
             self.none_usable = damaged
+            self.unreadable = 0 if found else len(unusable)
             for problem in problems if found else ():  # else say_none_usable() has one line
                 log.error("skipping checkpoint %s", problem)
         if dist.is_initialized():
@@ -487,9 +632,11 @@ class Checkpointer:
         """Rank 0, after latest_valid() found checkpoints but every one damaged: one line,
         "no usable checkpoint in RUN_DIR/checkpoints (N damaged, kept for inspection);
         starting from step 0" (`then` says what the job does instead)."""
-        if self.is_main and self.none_usable:
-            log.error("no usable checkpoint in %s (%d damaged, kept for inspection); %s",
-                      self.root, self.none_usable, then)  # fmt: skip
+        if self.is_main and (self.none_usable or self.unreadable):
+            what = [f"{self.none_usable} damaged"] * bool(self.none_usable)
+            what += [f"{self.unreadable} unreadable"] * bool(self.unreadable)
+            log.error("no usable checkpoint in %s (%s, kept for inspection); %s",
+                      self.root, ", ".join(what), then)  # fmt: skip
 
     @staticmethod
     def step_of(path: Path) -> int:
@@ -507,6 +654,9 @@ class Checkpointer:
         resuming = not weights_only
         if not path.is_dir():
             raise ValueError(f"{field}: no checkpoint directory {path}: fix {field}")
+        if why := unreadable(path):
+            raise ValueError(f"{field}: checkpoint {path} cannot be read ({why}): fix its "
+                             f"permissions or point {field} at another checkpoint")  # fmt: skip
         if not (path / MARKER).is_file() and (path / "checkpoints").is_dir() and resuming:
             raise ValueError(f"checkpoint.load={str(path)!r} is a run directory, not one of its "
                              f"checkpoints: point it at {path / 'checkpoints'}/step-N")  # fmt: skip

@@ -205,11 +205,16 @@ class RunLock:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 self._created_dir = True
         except OSError as e:
-            raise ValueError(f"cannot create run.dir {self.shown}: {e.strerror}") from None
+            full = "; free space there or pick another run.dir" if e.errno in (
+                errno.ENOSPC, errno.EDQUOT) else ""  # fmt: skip
+            raise ValueError(f"cannot create run.dir {self.shown}: {e.strerror}{full}") from None
         for _ in range(100):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
+                self._abandon(None)
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # no inode left
+                    raise ValueError(self._unwritable(e)) from None
                 raise ValueError(f"cannot lock {self.shown}: {self.path.name}: {e.strerror}; "
                                  "pick a writable run.dir") from None  # fmt: skip
             try:
@@ -254,12 +259,41 @@ class RunLock:
                   "pid_start": pid_start(os.getpid()), "started": time.time(),
                   "command": self.command, "job": self.job}  # fmt: skip
         data = json.dumps(record).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
+        try:
+            os.ftruncate(fd, 0)
+            if os.pwrite(fd, data, 0) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            self._abandon(fd)
+            raise ValueError(self._unwritable(e)) from None
         self.fd = os.dup(fd)  # the caller closes its own descriptor
         self._thread = threading.Thread(target=self._refresh, name="wanka-run-lock", daemon=True)
         self._thread.start()
         return True
+
+    def _abandon(self, fd: int | None) -> None:
+        """A lock file we hold but could not write our record into (`fd`; None: none could be
+        made): remove it (an empty wanka.lock names no holder, and would make the next start
+        wait for one) and the run directory if we made it for the lock."""
+        try:
+            if fd is not None and _same_file(fd, self.path):
+                self.path.unlink()
+        except OSError:
+            pass
+        if self._created_dir:
+            try:
+                self.run_dir.rmdir()
+            except OSError:
+                pass
+            self._created_dir = False
+
+    def _unwritable(self, e: OSError) -> str:
+        why = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"cannot start in run.dir {self.shown}: its disk is full ({why} while "
+                    f"writing {LOCK_NAME}); free space there or pick another run.dir")  # fmt: skip
+        return (f"cannot lock {self.shown}: writing {LOCK_NAME} failed ({why}); pick a "
+                "writable run.dir")  # fmt: skip
 
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_S):
@@ -416,6 +450,21 @@ def command_line(argv: list[str]) -> str:
     return shlex.join(["wanka", *argv])
 
 
+MIN_FREE = 1 << 20  # bytes a job needs in its run directory for its records and logs
+
+
+def _check_room(run_dir: Path, shown: str) -> None:
+    """A run directory on a full disk fails here in one line, not in a traceback from the
+    first of the job's own records that cannot be written."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return
+    if free < MIN_FREE:
+        raise ValueError(f"cannot start in run.dir {shown}: its disk is full ({free >> 10} KiB "
+                         "free); free space there or pick another run.dir")  # fmt: skip
+
+
 @contextmanager
 def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
     """What the top-level `wanka train` does before it launches anything, and holds until the
@@ -432,6 +481,7 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
         if lock.taken_over:
             say(lock.taken_over)
         if lock.held:
+            _check_room(run_dir, lock.shown)
             from wanka.train.checkpoint import remove_partials
 
             for p in remove_partials(run_dir / "checkpoints"):
