@@ -43,6 +43,7 @@ SERIAL_FILES = {
     "test_lab_redteam.py", "test_lab_sandbox.py", "test_lab_search.py",
     "test_lab_store_report.py", "test_memory_estimate.py", "test_resilience.py",
     "test_run_lock.py", "test_snapshot_full_shm.py", "test_preflight_live.py", "test_snapshot.py",
+    "test_cluster_edges.py",
 }  # fmt: skip
 TESTS = Path(__file__).resolve().parent
 

@@ -295,6 +295,7 @@ def test_a_frozen_coordinator_is_noticed_within_the_limit(tmp_path, monkeypatch)
 import time, datetime, torch.distributed as dist
 s = dist.TCPStore("127.0.0.1", {port}, None, True, datetime.timedelta(seconds=30),
                   wait_for_workers=False)
+s.set("wanka/serving", "77.0")  # as ControlStore.serve marks it: job 77.0's coordinator's
 print("up", flush=True)
 time.sleep(600)
 """], stdout=subprocess.PIPE, text=True)  # fmt: skip

@@ -28,6 +28,7 @@ from wanka.resilience.ledger import FaultLedger  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/demo.toml"  # as the container sees it, relative to its working directory
+NAME = "demo-958082"  # its job's default name: run.dir's folder, a hash of the whole path
 
 # JobSet v1alpha2, from its Go types: field -> type. Types are these names, Kubernetes model
 # names (V1...), or list[...] / dict(str, ...) of them. Required fields (no omitempty) below.
@@ -161,7 +162,7 @@ def test_pytorchjob_matches_the_operator_models(tmp_path, ledger):
     assert validate_pytorchjob(doc) == []
     assert (doc["apiVersion"], doc["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     spec = doc["spec"]
-    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29500, "rdzvId": "demo",
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29500, "rdzvId": NAME,
                                      "minReplicas": 2, "maxReplicas": 4, "maxRestarts": 10}  # fmt: skip
     assert spec["nprocPerNode"] == "8" and list(spec["pytorchReplicaSpecs"]) == ["Worker"]
     worker = spec["pytorchReplicaSpecs"]["Worker"]
@@ -256,7 +257,7 @@ def test_evicted_nodes_get_node_anti_affinity(tmp_path, ledger, kind):
     # And one pod per node: this job's pods repel each other on a hostname.
     (anti,) = aff["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
-    assert anti["labelSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "demo"}
+    assert anti["labelSelector"]["matchLabels"] == {"app.kubernetes.io/instance": NAME}
     validate = validate_pytorchjob if kind == "pytorchjob" else validate_jobset
     assert validate(doc) == []
     # The node name comes from the downward API, so the ledger records Kubernetes node names.
@@ -283,12 +284,12 @@ def test_pytorchjob_command_uses_the_operators_rendezvous(tmp_path, ledger):
     cmd = pod_spec(doc)["containers"][0]["command"]
     assert cmd[0] == "wanka"
     # The kubelet expands $(VAR) from the container's env, which the operator fills in.
-    env = {"PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": "demo-worker-0:29500", "PET_RDZV_ID": "demo"}
+    env = {"PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": "demo-worker-0:29500", "PET_RDZV_ID": NAME}
     expanded = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], x) for x in cmd]
     a = _train_args(expanded)
     assert (a.config, a.nproc, a.set) == (CONFIG, 4, ["train.steps=9"])
     rdzv = (a.nnodes, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id)
-    assert rdzv == ("2:2", "c10d", "demo-worker-0:29500", "demo")
+    assert rdzv == ("2:2", "c10d", "demo-worker-0:29500", NAME)
 
 
 def _kubelet(arg: str, env: dict[str, str]) -> str:
@@ -326,9 +327,9 @@ def test_jobset_command_waits_for_dns_then_runs_wanka(tmp_path, ledger):
     doc = launch("--nodes", "2", "--image", "wanka:1", "--kind", "jobset", "--ledger", ledger,
                  out=tmp_path / "x.yaml")  # fmt: skip
     cmd = pod_spec(doc)["containers"][0]["command"]
-    assert cmd[:2] == ["/bin/sh", "-c"] and cmd[3] == "demo-node-0-0.demo"
+    assert cmd[:2] == ["/bin/sh", "-c"] and cmd[3] == f"{NAME}-node-0-0.{NAME}"
     a = _train_args(cmd[4:])
-    assert (a.nnodes, a.rdzv_endpoint, a.rdzv_id) == ("2", "demo-node-0-0.demo:29500", "demo")
+    assert (a.nnodes, a.rdzv_endpoint, a.rdzv_id) == ("2", f"{NAME}-node-0-0.{NAME}:29500", NAME)
     # Run the wrapper: a `getent` that fails twice (name not in DNS yet), then resolves.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -339,7 +340,7 @@ def test_jobset_command_waits_for_dns_then_runs_wanka(tmp_path, ledger):
     r = subprocess.run([*cmd[:4], "echo", "started", "train"], env=env, capture_output=True,
                        text=True, timeout=30)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "started train", r.stderr
-    assert (tmp_path / "asked").read_text().splitlines() == ["hosts demo-node-0-0.demo"] * 3
+    assert (tmp_path / "asked").read_text().splitlines() == [f"hosts {NAME}-node-0-0.{NAME}"] * 3
 
 
 @pytest.mark.parametrize("resource", ["nvidia.com/gpu", "huawei.com/Ascend910", "amd.com/gpu"])
@@ -363,6 +364,14 @@ def test_accelerator_resource_is_a_parameter(tmp_path, ledger, resource):
     (["--nodes", "2", "--image", "w:1", "--pvc", "data"], "--pvc 'data'"),
     (["--nodes", "2", "--image", "w:1", "--partition", "gpu"], "--partition: for --slurm, not --k8s"),
     (["--nodes", "2", "--image", "w:1", "--name", "Bad_Name"], "--name 'Bad_Name'"),
+    (["--nodes", "1", "--min-nodes", "1", "--max-nodes", "100000000", "--image", "w:1"], "--max-nodes must be at most 10000"),
+    (["--nodes", "3000000000", "--image", "w:1"], "at most 10000"),
+    (["--nodes", "2", "--image", "w:1", "--max-restarts", "2000000000"], "--max-restarts 2000000000 is too many"),
+    (["--nodes", "2", "--image", "w:1", "--pvc", "data:/dev/shm"], "/dev/shm is not a mount point"),
+    (["--nodes", "2", "--image", "w:1", "--pvc", "data:/dev/shm/"], "/dev/shm/ is not a mount point"),
+    (["--nodes", "2", "--image", "w:1", "--gpus-per-node", "1", "--accelerator-resource", "memory"], "vendor's domain"),
+    (["--nodes", "2", "--image", "w:1", "--gpus-per-node", "1", "--accelerator-resource", "gpu"], "vendor's domain"),
+    (["--nodes", "2", "--image", "w:1", "--gpus-per-node", "1", "--accelerator-resource", "kubernetes.io/gpu"], "vendor's domain"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(tmp_path, ledger, argv, match):
     out = tmp_path / "x.yaml"
@@ -376,6 +385,53 @@ TRICKY = ["yes", "No", "on", "OFF", "null", "Null", "~", "true", "8", "1.5", "1e
           "ü", "*a", "&a", "!x", "%x", "@x", "`x", "'q'", '"dq"', "[x]", "{x}", ">", "|", "?x",
           "$(PET_NNODES)", "a\\b", "nvidia.com/gpu", "None", ".inf", "-.inf", ".nan", "=",
           "<<", "2001-12-14", "y", "n"]  # fmt: skip
+
+
+def test_a_pvc_name_is_a_dns_subdomain(tmp_path, ledger):
+    doc = launch("--nodes", "2", "--image", "w:1", "--pvc", "my.claim:/data", "--ledger", ledger,
+                 out=tmp_path / "x.yaml")  # fmt: skip
+    spec = pod_spec(doc)
+    assert {"name": "shared", "persistentVolumeClaim": {"claimName": "my.claim"}} in spec["volumes"]
+    assert validate_pytorchjob(doc) == []
+
+
+def test_an_accelerator_without_gpus_is_said_to_be_ignored(tmp_path, ledger, capsys):
+    launch("--nodes", "2", "--image", "w:1", "--accelerator-resource", "amd.com/gpu",
+           "--ledger", ledger, out=tmp_path / "x.yaml")  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--accelerator-resource amd.com/gpu ignored: --gpus-per-node 0" in err
+
+
+def test_the_default_name_tells_apart_runs_whose_folders_share_a_name():
+    from wanka.launch import job_name
+
+    a, b = job_name("/data/exp-a/run"), job_name("/data/exp-b/run")
+    assert a != b and a.startswith("run-") and b.startswith("run-")
+    assert job_name("/data/exp-a/run") == a  # stable
+    for d in ("/data/exp-a/run", "/d/ünïcødé", "/d/日本語", "/d/9lives", "/d/" + "x" * 80, "/"):
+        name = job_name(d)
+        assert re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", name), (d, name)
+    assert job_name("/d/日本語").startswith("wanka-") and job_name("/d/日本語") != job_name(
+        "/d/中文"
+    )
+
+
+NON_PRINTABLE = ["a\x85b", "\x7f", "x\x9fy", "\u2028", "p\u2029q", "\ufeff", "\xa0", "\x00",
+                 "\U0001f600", "e\u0301", "\x1b[31m"]  # fmt: skip
+
+
+def test_yaml_writer_escapes_what_yaml_would_not_read_back():
+    doc = {"command": ["wanka", *NON_PRINTABLE], "m": {s: s for s in NON_PRINTABLE}}
+    text = to_yaml(doc, header="made by: wanka --set x=\x85y: z\u2028w")
+    assert yaml.safe_load(text) == doc
+    assert all(c.isprintable() or c == "\n" for c in text)
+
+
+def test_a_command_with_a_nel_reaches_the_container_exactly(tmp_path, ledger):
+    value = 'run.dir="/data/a\x85b\x7fc"'
+    doc = launch("--nodes", "2", "--image", "wanka:1", "--ledger", ledger, "--set", value,
+                 out=tmp_path / "x.yaml")  # fmt: skip
+    assert value.replace("$", "$$") in pod_spec(doc)["containers"][0]["command"]
 
 
 def test_yaml_writer_round_trips(tmp_path):

@@ -107,6 +107,20 @@ def test_gres_cpus_and_cpu_job(tmp_path):
     assert not any("gpu" in x or "gres" in x for x in directives(cpu))
 
 
+def test_a_gres_without_gpus_is_said_to_be_ignored(tmp_path, capsys):
+    script = render(tmp_path, "--gres", "npu", "--nproc", "1")
+    assert not any("gres" in x for x in directives(script))
+    assert "--gres npu ignored: --gpus-per-node 0" in capsys.readouterr().err
+
+
+def test_with_ledger_none_the_summary_says_no_ledger_was_read(tmp_path, capsys):
+    out = tmp_path / "x.sbatch"
+    assert launch("--slurm", CONFIG, "--nodes", "2", "--set", f'run.dir="{tmp_path / "run"}"',
+                  "--ledger", "none", "--out", str(out)) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "no node evicted (--ledger none)" in err and "in none" not in err
+
+
 @pytest.mark.parametrize("text,seconds", [("04:00:00", 14400), ("90", 5400), ("30:15", 1815),
                                           ("2-00", 172800), ("1-02:03", 93780),
                                           ("1-00:00:30", 86430)])  # fmt: skip

@@ -21,8 +21,15 @@ def _up(a: argparse.Namespace) -> int:
 
 
 def _down(a: argparse.Namespace) -> int:
+    from wanka.cluster.state import load
+
+    st = load(a.state_dir)
     removed = testbed.down(a.state_dir)
-    print(f"removed {' '.join(removed)}" if removed else "no cluster was up")
+    if st is None:
+        print("no cluster was up")
+    else:
+        print(f"removed {' '.join(removed)}" if removed else
+              f"cluster {st.name}: nothing left to remove (already gone)")  # fmt: skip
     return 0
 
 
@@ -64,6 +71,8 @@ def _launch(a: argparse.Namespace) -> int:
     args = a.wanka_args[1:] if a.wanka_args[:1] == ["--"] else a.wanka_args
     if not args:
         raise ValueError("nothing to launch: wanka cluster launch --nproc P -- train CONFIG ...")
+    if a.nproc < 1:
+        raise ValueError(f"--nproc must be 1 or more (got {a.nproc}): ranks per node")
     return launch.launch_on_cluster(a.nproc, args, a.state_dir)
 
 

@@ -61,6 +61,8 @@ def run_on_cluster(nproc_per_node: int, target: list[str], state_dir: str | None
     """Start torchrun on every node (but the last `spare_nodes`), wait for all; the first
     non-zero exit code, else 0. When one node fails the others are stopped rather than left
     waiting for it."""
+    if nproc_per_node < 1:
+        raise ValueError(f"--nproc must be 1 or more (got {nproc_per_node}): ranks per node")
     st = require(state_dir)
     nodes = job_nodes(st, spare_nodes)
     rdzv_id = f"wanka-{uuid.uuid4().hex[:8]}"

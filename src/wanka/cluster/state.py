@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_STATE_DIR = "/run/wanka-cluster"
@@ -58,9 +58,53 @@ def load(sdir: str | Path | None = None) -> ClusterState | None:
     path = state_dir(str(sdir) if sdir else None) / STATE_FILE
     if not path.exists():
         return None
-    raw = json.loads(path.read_text())
-    nodes = [Node(**n) for n in raw.pop("nodes")]
-    return ClusterState(nodes=nodes, **raw)
+    try:
+        return _parse(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError, UnicodeError) as e:
+        why = "empty" if _empty(path) else (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"the cluster state {path} is damaged ({why}): remove it (rm {path}); "
+            "`wanka cluster up` with the same --name then clears what it left "
+            "behind"
+        ) from None
+
+
+def _empty(path: Path) -> bool:
+    try:
+        return not path.read_bytes().strip()
+    except OSError:
+        return False
+
+
+def _parse(raw: object) -> ClusterState:
+    """A ClusterState from the file's JSON, every field there and of its type (ValueError)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"a JSON object expected, not {type(raw).__name__}")
+    want = {f.name for f in fields(ClusterState)}
+    if set(raw) != want:
+        odd = sorted(set(raw) ^ want)
+        raise ValueError(f"fields {', '.join(odd)} missing or unknown")
+    node_fields = {f.name for f in fields(Node)}
+    nodes = []
+    for n in raw["nodes"] if isinstance(raw["nodes"], list) else [None]:
+        if not isinstance(n, dict) or not set(n) <= node_fields or not {
+            f.name for f in fields(Node) if f.name != "root"} <= set(n):  # fmt: skip
+            raise ValueError(f"a node is not one: {json.dumps(n)[:60]}")
+        if not all(isinstance(v, str) for v in n.values()):
+            raise ValueError(f"a node's fields are not names: {json.dumps(n)[:60]}")
+        nodes.append(Node(**n))
+    made = raw["made"]
+    if not isinstance(made, list) or not all(
+        isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m) for m in made
+    ):
+        raise ValueError("'made' is not a list of [kind, name]")
+    if not all(isinstance(raw[k], str) for k in ("name", "subnet", "bridge")):
+        raise ValueError("name, subnet and bridge must be strings")
+    if not isinstance(raw["link_gbit"], int | float) or not (
+        raw["intra_gbit"] is None or isinstance(raw["intra_gbit"], int | float)
+    ):
+        raise ValueError("link_gbit and intra_gbit must be numbers")
+    return ClusterState(**{**raw, "nodes": nodes})
 
 
 def require(sdir: str | Path | None = None) -> ClusterState:

@@ -7,17 +7,21 @@ unless `intra_gbit` is given. The bridge has no address and no uplink: nothing c
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
 from wanka.cluster import netns as nx
 from wanka.cluster.nodes import NODES_SHM, make_private
-from wanka.cluster.state import ClusterState, Node, load, remove, save
+from wanka.cluster.state import STATE_FILE, ClusterState, Node, load, remove, save, state_dir
 
 DEFAULT_SUBNET = "10.231.0.0/24"
 NAME_RE = re.compile(r"[a-z][a-z0-9]{0,5}")  # keeps "<name>-n63h" under the 15-char ifname limit
+GBIT_RANGE = (0.001, 1000.0)  # 1 Mbit/s .. 1 Tbit/s: what tc's tbf shapes faithfully
+OWNER = ".state-dir"  # in the cluster's memory folder: the state dir of the cluster of that name
 
 
 def names(name: str, i: int) -> Node:
@@ -53,13 +57,59 @@ def _leftovers(name: str) -> tuple[list[str], list[str]]:
     return ns, ln
 
 
-def _remove(kind: str, obj: str) -> None:
+def _remove(kind: str, obj: str) -> bool:
+    """Remove a namespace or a root link; False when it was already gone."""
     if kind == "netns":
         if obj in nx.netns_list():
             nx.kill_netns_pids(obj)
             nx.sh("ip", "netns", "del", obj)
+            return True
     elif nx.link_exists(obj):
         nx.sh("ip", "link", "del", "dev", obj, check=False)  # may vanish with its peer meanwhile
+        return True
+    return False
+
+
+def _ours(sdir: str | Path | None) -> str:
+    return str(state_dir(str(sdir) if sdir else None).resolve())
+
+
+def _marker(name: str) -> str | None:
+    """The state dir the last `up` of a cluster named `name` recorded it in, if any."""
+    try:
+        return (Path(NODES_SHM) / name / OWNER).read_text().strip()
+    except OSError:
+        return None
+
+
+def _owner(name: str) -> str | None:
+    """The state dir of the cluster named `name` that `up` made last, while it is up (its
+    state file there names it); None when none is."""
+    owner = _marker(name)
+    if owner is None:
+        return None
+    try:
+        st = load(owner)
+    except ValueError:  # damaged, but there: somebody's cluster may still be up
+        return owner
+    return owner if st is not None and st.name == name else None
+
+
+def _check_name_free(name: str, sdir: str | Path | None) -> None:
+    """Refuse a name a live cluster of another state dir uses: its namespaces and links have
+    the same names, and tearing them down as a crash's leftovers would take that cluster."""
+    owner = _owner(name)
+    if owner is not None and owner != _ours(sdir):
+        raise ValueError(f"--name {name} is used by the cluster recorded in {owner} (its "
+                         f"{Path(owner) / STATE_FILE}): pick another --name, or take that one "
+                         f"down first (wanka cluster down --state-dir {owner})")  # fmt: skip
+    if owner is None and _marker(name) != _ours(sdir):  # not our own crash's leftovers:
+        # removable, unless still in use
+        busy = [ns for ns in _leftovers(name)[0] if nx.netns_pids(ns)]
+        if busy:
+            raise ValueError(f"--name {name}: the namespaces {', '.join(busy)} still run "
+                             "processes of a cluster not recorded here: pick another --name, "
+                             "or end those processes first (ip netns pids NS)")  # fmt: skip
 
 
 def _make(st: ClusterState, kind: str, obj: str, sdir: str | Path | None, *cmd: str) -> None:
@@ -101,12 +151,16 @@ def up(nodes: int, link_gbit: float = 1.0, intra_gbit: float | None = None, name
     anything else (other parameters, a half-made or crashed cluster) is torn down first."""
     if not 1 <= nodes <= 64:
         raise ValueError(f"--nodes {nodes}: use 1..64")
-    if link_gbit <= 0 or (intra_gbit is not None and intra_gbit <= 0):
-        raise ValueError("--link-gbit/--intra-gbit must be > 0")
+    lo, hi = GBIT_RANGE
+    for flag, v in (("--link-gbit", link_gbit), ("--intra-gbit", intra_gbit)):
+        if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+            raise ValueError(f"{flag} {v:g}: a rate of {lo:g} to {hi:g} Gbit/s")
     if not NAME_RE.fullmatch(name):
         raise ValueError(f"--name {name!r}: 1-6 lowercase letters/digits, starting with a letter")
     net = _check_subnet(subnet, nodes)  # before touching anything: bad input changes nothing
     old = load(sdir)
+    if not (old and old.name == name):
+        _check_name_free(name, sdir)
     want = (name, str(net), nodes, link_gbit, intra_gbit)
     if old and (old.name, old.subnet, len(old.nodes), old.link_gbit, old.intra_gbit) == want:
         if _healthy(old):
@@ -120,6 +174,8 @@ def up(nodes: int, link_gbit: float = 1.0, intra_gbit: float | None = None, name
         _remove("netns", ns)
     nx.wait_gone(stale_links)
     shutil.rmtree(Path(NODES_SHM) / name, ignore_errors=True)  # a new cluster's memory is empty
+    (Path(NODES_SHM) / name).mkdir(parents=True, exist_ok=True)
+    (Path(NODES_SHM) / name / OWNER).write_text(_ours(sdir) + "\n")
     hosts = net.hosts()
     st = ClusterState(name=name, subnet=str(net), bridge=f"{name}-br", link_gbit=link_gbit,
                       intra_gbit=intra_gbit)  # fmt: skip
@@ -144,6 +200,13 @@ def down(sdir: str | Path | None = None) -> list[str]:
     st = load(sdir)
     if st is None:
         return []
+    owner = _owner(st.name)
+    if owner is not None and owner != _ours(sdir):  # its names were taken over: not ours now
+        print(f"the cluster {st.name} recorded in {_ours(sdir)} is gone: its names now belong "
+              f"to the cluster recorded in {owner}, which stays up; only {STATE_FILE} "
+              "removed here", file=sys.stderr)  # fmt: skip
+        remove(sdir)
+        return []
     removed = []
     # Processes first (a namespace held by a process outlives `ip netns del`), then the links,
     # then the namespaces.
@@ -151,13 +214,13 @@ def down(sdir: str | Path | None = None) -> list[str]:
         for k, obj in reversed(st.made):
             if kind == "netns-pids" and k == "netns" and obj in nx.netns_list():
                 nx.kill_netns_pids(obj)
-            elif k == kind:
-                _remove(k, obj)
+            elif k == kind and _remove(k, obj):
                 removed.append(obj)
     nx.wait_gone([obj for k, obj in st.made if k == "link"])
     for n in st.nodes:  # the nodes' memory
         if n.root:
             shutil.rmtree(n.root, ignore_errors=True)
+    (Path(NODES_SHM) / st.name / OWNER).unlink(missing_ok=True)
     try:
         (Path(NODES_SHM) / st.name).rmdir()
     except OSError:

@@ -40,6 +40,22 @@ if TYPE_CHECKING:  # the store imports torch (2 s): the agent starts its command
 
 log = logging.getLogger("wanka.control.agent")
 DUMP_BUDGET_S = 3.0  # a hang's stack dump before the kill: at most this long
+STUCK_S = 30.0  # a poll under way this long (no orphan_s given): the store is said not to answer
+
+
+class _Background(threading.Thread):
+    """fn() on a daemon thread; `error` is what it raised, if anything."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        super().__init__(name="wanka-agent-poll", daemon=True)
+        self.fn, self.error = fn, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised by run_until, in its thread)
+            self.error = e
 
 
 class NodeAgent:
@@ -85,21 +101,38 @@ class NodeAgent:
     def run_until(self, stop: threading.Event) -> None:
         """Poll until `stop` is set. A store that stops answering is said once, not per poll:
         the ranks keep running (the coordinator sees this node's beats stop), until orphan_s
-        without an answer, when the agent stops them itself."""
-        failing, last_ok = False, time.monotonic()
+        without an answer, when the agent stops them itself. Each poll runs on a thread of its
+        own: a store that accepts but never answers (frozen, SIGSTOPped) blocks a call far
+        longer than torch's time-out, and must not keep the agent from fencing its node."""
+        failing, last_ok, call = False, time.monotonic(), None
+        quiet_s = self.orphan_s if self.orphan_s is not None else STUCK_S
         while not stop.is_set():
-            try:
-                self.poll_once()
-                failing, last_ok = False, time.monotonic()
-            except ConnectionError as e:
+            if call is None:  # one poll at a time: a stuck one is waited on, never doubled
+                call = _Background(self.poll_once)
+            call.join(self.poll_s)
+            error = None
+            if not call.is_alive():
+                error, call = call.error, None
+                if error is None:
+                    failing, last_ok = False, time.monotonic()
+                    stop.wait(self.poll_s)
+                    continue
+                if not isinstance(error, ConnectionError):
+                    raise error
+            elif time.monotonic() - last_ok > quiet_s:
+                host, port = getattr(self.store, "host", "?"), getattr(self.store, "port", "?")
+                error = ConnectionError(f"the control store at {host}:{port} has not answered "
+                                        f"for {quiet_s:.0f} s")  # fmt: skip
+            if error is not None:
                 if not failing:
-                    log.error("agent %s: %s", self.node, e)
+                    log.error("agent %s: %s", self.node, error)
                 failing = True
                 # From the last answer, not the first error: a call into a silent link takes
                 # the store's whole time-out before it fails.
                 if self.orphan_s is not None and time.monotonic() - last_ok > self.orphan_s:
                     self._fence()
-            stop.wait(self.poll_s)
+                if call is None:
+                    stop.wait(self.poll_s)
 
     def _fence(self) -> None:
         """Stop this node's ranks: the store has been gone for orphan_s (once)."""
@@ -214,7 +247,7 @@ class NodeAgent:
     def _kill_ranks(self) -> None:
         """torchrun starts each rank in a session of its own: killing its group leaves them.
         Only pids of this attempt's records: an older record's pid may be reused."""
-        for pid, attempt in self._pids.values():
+        for pid, attempt in list(self._pids.values()):  # a stuck poll may still add some
             if self.attempt is not None and attempt != self.attempt:
                 continue
             if (process_state(pid) or GONE) in DEAD_STATES:
@@ -293,9 +326,15 @@ def main(argv: list[str] | None = None) -> int:
             if found is None:  # dismissed (end of input before any orders)
                 return child.wait()
             host, port = found
+        from wanka.control.store import call_within
+
         store = ControlStore.connect(host, port, a.job, a.timeout_s)
-        agent = NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt,
-                          orphan_s=a.orphan_s, stacks_dir=a.stacks_dir)  # fmt: skip
+        agent = call_within(  # it registers: a store that accepts but never answers fails too
+            lambda: NodeAgent(store, a.node, a.hb_dir, a.poll_s, a.pgid, attempt=a.attempt,
+                              orphan_s=a.orphan_s, stacks_dir=a.stacks_dir),
+            a.timeout_s,
+            f"the control store at {host}:{port} did not answer within {a.timeout_s:.0f} s",
+        )  # fmt: skip
     except ConnectionError as e:
         print(f"wanka agent {a.node}: {e}", file=sys.stderr)
         if child is not None:  # never left running unwatched
@@ -347,8 +386,11 @@ def run_command(agent: NodeAgent, child: subprocess.Popen, stop: threading.Event
         signal.signal(sig, forward)
     threading.Thread(target=lambda: (child.wait(), stop.set()), daemon=True).start()
     agent.run_until(stop)
-    try:
-        agent.poll_once()  # the ranks' last records and exit marks
+    try:  # the ranks' last records and exit marks; never waiting on a store that is stuck
+        from wanka.control.store import call_within
+
+        limit = agent.orphan_s if agent.orphan_s is not None else STUCK_S
+        call_within(agent.poll_once, limit, "the control store did not take the last report")
     except ConnectionError as e:
         log.error("agent %s: %s", agent.node, e)
     rc = child.wait()

@@ -16,6 +16,9 @@ one agent per host connects as a client. Keys, relative to wanka/{job}/:
     verdict, next, ...    JSON written with put(): the fault an attempt ended on, what follows
                           it (resilience/host_control.py)
 
+One key lies outside every job's: wanka/serving, the job whose coordinator serves the store
+(ControlStore.serve): a follower that reached another job's store says so at once.
+
 A rank's record and its state travel in one value, so a reader never pairs a new record with an
 old state. Every store call that fails for want of the server raises ConnectionError naming
 host:port: the caller prints one line, not a C++ stack.
@@ -24,6 +27,7 @@ host:port: the caller prints one line, not a C++ stack.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from wanka.resilience.heartbeat import RECORD_SIZE, Beat, unpack_beat
 from wanka.resilience.monitor import DEAD_STATES, GONE  # noqa: F401  (re-exported)
 
 T = TypeVar("T")
+OWNER_KEY = "wanka/serving"  # the job whose coordinator serves the store (ControlStore.serve)
 
 
 unpack_record = unpack_beat  # the record format is heartbeat.py's own: one definition
@@ -81,19 +86,31 @@ class ControlStore:
                 f"cannot serve the control store on {host}:{port}: {_first_line(e)} "
                 "(is the port in use, or the address not this host's?)"
             ) from None
+        store.set(OWNER_KEY, job)  # a follower of another job that finds this store says so
         return cls(store, host, store.port, job)
 
     @classmethod
     def connect(cls, host: str, port: int, job: str, timeout_s: float = 30.0) -> ControlStore:
-        """Join the store the coordinator serves; fails within about `timeout_s`."""
+        """Join the store the coordinator serves; fails within about `timeout_s`, also where
+        something accepts the connection but never answers (a frozen store, another service):
+        torch's time-out does not bound a blocked read there."""
+        said = (f"cannot reach the control store at {host}:{port} within {timeout_s:.0f} s: "
+                "is the coordinator running, and is that port open from this host?")  # fmt: skip
         try:
-            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+            store = call_within(
+                lambda: dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s)),
+                timeout_s + 1.0,
+                said,
+            )
         except dist.DistError:
-            raise ConnectionError(
-                f"cannot reach the control store at {host}:{port} within {timeout_s:.0f} s: "
-                "is the coordinator running, and is that port open from this host?"
-            ) from None
+            raise ConnectionError(said) from None
         return cls(store, host, port, job)
+
+    def owner(self) -> str | None:
+        """The job whose coordinator serves this store (None: not a wanka coordinator's, or
+        one that has not said yet)."""
+        raw = self._get_if_set(OWNER_KEY)
+        return raw.decode(errors="replace") if raw is not None else None
 
     # -- plumbing ----------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
@@ -241,6 +258,27 @@ class ControlStore:
         """Per node, the last decision its agent carried out (with `detail`, `done_t`)."""
         keys = {self._key("done", n): n for n in self.nodes()}
         return {keys[k]: json.loads(v) for k, v in self._get_many(list(keys)).items()}
+
+
+def call_within(fn: Callable[[], T], timeout_s: float, said: str) -> T:
+    """fn() on a thread of its own, for at most `timeout_s`: ConnectionError(`said`) when it
+    takes longer (the thread is left behind, a daemon, blocked where the store left it)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001  (raised below, in the caller's thread)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="wanka-store-call", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ConnectionError(said)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _first_line(e: BaseException) -> str:

@@ -6,6 +6,8 @@ anything is written (see docs/LAUNCH.md)."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import re
 import sys
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ class Job:
 
 
 def check_job(config: str, sets: list[str], nodes: int, nproc: int,
-              node_counts: tuple[int, ...] = ()) -> object:  # fmt: skip
+              node_counts: range | tuple[int, ...] = ()) -> object:  # fmt: skip
     """Load the config (one-line ConfigError if it does not) and check that its parallel
     degrees fit `nproc` ranks on each of `nodes` (and of every count in `node_counts`, for an
     elastic job). Returns the JobConfig."""
@@ -62,9 +64,10 @@ def check_job(config: str, sets: list[str], nodes: int, nproc: int,
             raise ValueError(f"resilience.spare_nodes={r.spare_nodes} leaves no node to train on "
                              f"with --nodes {nodes}; allocate more nodes or fewer spares")  # fmt: skip
         nodes -= r.spare_nodes
-        node_counts = tuple(n - r.spare_nodes for n in node_counts if n > r.spare_nodes)
+        spare = r.spare_nodes
+        node_counts = [n - spare for n in node_counts if n > spare]  # bounded by launch/k8s.py
 
-    for n in sorted({nodes, *node_counts}):
+    for n in itertools.chain((nodes,), (n for n in node_counts if n != nodes)):
         try:
             ParallelDims.from_config(cfg.parallel, n * nproc)
         except ParallelError as e:
@@ -92,14 +95,22 @@ def evicted_nodes(ledger: str | None) -> dict[str, str]:
     return evicted
 
 
-def job_name(run_dir: str, given: str | None = None) -> str:
+def job_name(run_dir: str, given: str | None = None, hashed: bool = True) -> str:
     """A DNS-1035 label (lower-case letters, digits, '-', starting with a letter, at most 40
-    characters so that Kubernetes' derived pod and service names stay under 63)."""
+    characters so that Kubernetes' derived pod and service names stay under 63). `hashed`: the
+    default one ends with a hash of run.dir's whole path (Kubernetes: the object's name and
+    the rendezvous id, which must differ between runs; a Slurm job's name need not)."""
     if given is not None:
         if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", given):
             raise ValueError(f"--name {given!r}: use 1-40 lower-case letters, digits and '-', "
                              "starting with a letter and not ending with '-'")  # fmt: skip
         return given
+    # The folder's name to read, and a hash of the whole path to tell apart runs whose folders
+    # share a name (/data/exp-a/run, /data/exp-b/run): one job each, never one patched twice.
+    digest = hashlib.sha256(str(run_dir).encode("utf-8", "surrogateescape")).hexdigest()[:6]
     base = re.sub(r"[^a-z0-9-]+", "-", Path(run_dir).name.lower()).strip("-")
-    base = re.sub(r"-+", "-", base)[:34].strip("-")
-    return base if base[:1].isalpha() else f"wanka-{base}".strip("-")
+    keep = 27 if hashed else 34
+    base = re.sub(r"-+", "-", base)[:keep].strip("-")
+    if not base[:1].isalpha():  # none of it ASCII, or a digit first
+        base = f"wanka-{base}".strip("-")[:keep].strip("-")
+    return f"{base}-{digest}" if hashed else base

@@ -29,9 +29,14 @@ def _check_mode(a: argparse.Namespace) -> None:
         raise ValueError(f"{', '.join(_flag(d) for d in wrong)}: for {other}, not {mode}")
     if a.k8s and a.image is None:
         raise ValueError("--k8s needs --image (the container image with wanka installed)")
+    given = a.gres if a.slurm else a.accelerator_resource
+    if a.gpus_per_node == 0 and given not in (None, "none"):
+        flag = "--gres" if a.slurm else "--accelerator-resource"
+        print(f"wanka launch: {flag} {given} ignored: --gpus-per-node 0 requests no accelerator "
+              "(a CPU job); set --gpus-per-node G to request G per node", file=sys.stderr)  # fmt: skip
 
 
-def _job(a: argparse.Namespace, config: str, node_counts: tuple[int, ...] = ()) -> Job:
+def _job(a: argparse.Namespace, config: str, node_counts: range | tuple[int, ...] = ()) -> Job:
     if a.gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node must be 0 or more (got {a.gpus_per_node})")
     nproc = a.nproc if a.nproc is not None else max(a.gpus_per_node, 1)
@@ -43,7 +48,7 @@ def _job(a: argparse.Namespace, config: str, node_counts: tuple[int, ...] = ()) 
     cfg = check_job(config, a.set, a.nodes, nproc, node_counts)
     ledger = a.ledger if a.ledger is not None else cfg.resilience.ledger
     return Job(config=config, sets=list(a.set), nodes=a.nodes, nproc=nproc, run_dir=cfg.run.dir,
-               name=job_name(cfg.run.dir, a.name), evicted=evicted_nodes(ledger),
+               name=job_name(cfg.run.dir, a.name, hashed=a.k8s), evicted=evicted_nodes(ledger),
                ledger=ledger, store_control=cfg.resilience.control == "store")  # fmt: skip
 
 
@@ -91,7 +96,8 @@ def _write(text: str, out: str | None) -> None:
 
 def _excluded(job: Job) -> str:
     if not job.evicted:
-        return "no node evicted" + (f" in {job.ledger}" if job.ledger else "")
+        read = job.ledger and job.ledger.lower() != "none"
+        return "no node evicted" + (f" in {job.ledger}" if read else " (--ledger none)")
     return f"excluding {', '.join(sorted(job.evicted))} (evicted in {job.ledger})"
 
 
@@ -131,7 +137,7 @@ def _k8s(a: argparse.Namespace) -> int:
     # The config path is the container's: as given, relative to its working directory. The
     # config must fit every node count of the elastic range.
     lo, hi = node_range(a.nodes, opts)
-    job = _job(a, a.config, tuple(range(lo, hi + 1)))  # torchrun may form any size in between
+    job = _job(a, a.config, range(lo, hi + 1))  # torchrun may form any size in between
     wanka = _wanka_cmd(a, ["wanka"])
     doc = render(job, opts, wanka)
     header = (f"{doc['kind']} {job.name}: {job.nodes} node(s) x {job.nproc} rank(s) of "

@@ -11,6 +11,7 @@ snapshots, one pod per node (pod anti-affinity) and none on an evicted node (nod
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ _RESOURCE = re.compile(
     r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 )
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# A PersistentVolumeClaim's name is a DNS subdomain: labels joined by dots, 253 at most.
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+INT32_MAX = 2**31 - 1  # replicas, backoffLimit, maxRestarts are int32 in the API
+MAX_NODES = 10_000  # far beyond any one job; every count of an elastic range is checked
 
 
 @dataclass
@@ -53,14 +58,21 @@ def check_options(nodes: int, o: K8sOptions) -> None:
     if o.kind == "jobset" and (o.min_nodes is not None or o.max_nodes is not None):
         raise ValueError("--min-nodes/--max-nodes (elastic) need --kind pytorchjob")
     lo, hi = node_range(nodes, o)
+    if nodes > MAX_NODES or hi > MAX_NODES:
+        raise ValueError(f"--nodes/--max-nodes must be at most {MAX_NODES} (got {max(nodes, hi)})")
     if not 1 <= lo <= nodes <= hi:
         raise ValueError(f"need 1 <= --min-nodes ({lo}) <= --nodes ({nodes}) <= "
                          f"--max-nodes ({hi})")  # fmt: skip
     if o.gpus_per_node < 0:
         raise ValueError(f"--gpus-per-node must be 0 or more (got {o.gpus_per_node})")
-    if o.accelerator != "none" and not _RESOURCE.match(o.accelerator):
-        raise ValueError(f"--accelerator-resource {o.accelerator!r}: a resource name such as "
-                         "nvidia.com/gpu or huawei.com/Ascend910, or none")  # fmt: skip
+    if o.accelerator != "none" and (
+        not _RESOURCE.match(o.accelerator)
+        or "/" not in o.accelerator
+        or o.accelerator.split("/")[0].endswith("kubernetes.io")
+    ):
+        raise ValueError(f"--accelerator-resource {o.accelerator!r}: an extended resource name "
+                         "with its vendor's domain, such as nvidia.com/gpu or "
+                         "huawei.com/Ascend910, or none")  # fmt: skip
     if o.gpus_per_node and o.accelerator == "none":
         raise ValueError(f"--gpus-per-node {o.gpus_per_node} with --accelerator-resource none: "
                          "name the resource, or use --gpus-per-node 0 for a CPU job")  # fmt: skip
@@ -68,6 +80,11 @@ def check_options(nodes: int, o: K8sOptions) -> None:
         raise ValueError(f"--namespace {o.namespace!r}: lower-case letters, digits and '-'")
     if o.max_restarts < 0 or o.grace_s < 0:
         raise ValueError("--max-restarts and --grace-seconds must be 0 or more")
+    if o.max_restarts * max(hi, 1) > INT32_MAX:  # the PyTorchJob's backoffLimit
+        raise ValueError(f"--max-restarts {o.max_restarts} is too many (at most "
+                         f"{INT32_MAX // max(hi, 1)} with {hi} node(s))")  # fmt: skip
+    if o.grace_s > INT32_MAX:
+        raise ValueError(f"--grace-seconds {o.grace_s} is too long (at most {INT32_MAX})")
     if not 0 < o.rdzv_port < 65535:  # the control store takes the next port
         raise ValueError(f"--rdzv-port must be 1-65534 (got {o.rdzv_port})")
     if o.workdir is not None and not o.workdir.startswith("/"):
@@ -75,8 +92,12 @@ def check_options(nodes: int, o: K8sOptions) -> None:
                          "absolute path, e.g. --workdir /data")  # fmt: skip
     if o.pvc is not None:
         claim, _, path = o.pvc.partition(":")
-        if not _DNS_LABEL.match(claim) or not path.startswith("/"):
+        if len(claim) > 253 or not _DNS_SUBDOMAIN.match(claim) or not path.startswith("/"):
             raise ValueError(f"--pvc {o.pvc!r}: CLAIM:/mount/path, e.g. --pvc train-data:/data")
+        if posixpath.normpath(path) in ("/", "//", "/dev/shm"):
+            raise ValueError(f"--pvc {o.pvc!r}: {path} is not a mount point for shared storage "
+                             "(/dev/shm is the pod's memory for the in-memory snapshots); "
+                             "mount the claim elsewhere, e.g. --pvc CLAIM:/data")  # fmt: skip
 
 
 def node_range(nodes: int, o: K8sOptions) -> tuple[int, int]:
@@ -107,7 +128,7 @@ def _pod_template(job: Job, o: K8sOptions, command: list[str], restart: str, por
         container["resources"] = {"limits": {o.accelerator: n}, "requests": {o.accelerator: n}}
     if o.pvc:
         claim, _, path = o.pvc.partition(":")
-        container["volumeMounts"].append({"name": "shared", "mountPath": path})
+        container["volumeMounts"].append({"name": "shared", "mountPath": posixpath.normpath(path)})
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
     if o.workdir:
         container["workingDir"] = o.workdir
@@ -266,7 +287,16 @@ def _scalar(v: object) -> str:
     s = str(v)
     if _PLAIN.match(s) and s.lower() not in _RESERVED:
         return s
-    return json.dumps(s, ensure_ascii=False)
+    return _escape(json.dumps(s, ensure_ascii=False))
+
+
+def _escape(text: str) -> str:
+    """Characters a YAML reader would not take back as themselves, escaped (\\uXXXX is valid
+    in a double-quoted YAML string, and harmless in a comment): NEL (U+0085) and the line and
+    paragraph separators are line breaks to it, DEL and C1 controls not printable at all."""
+    return "".join(c if c.isprintable() or c in "\n\t" else
+                   (f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+                   for c in text)  # fmt: skip
 
 
 def _lines(obj: dict | list, indent: int) -> list[str]:
@@ -292,5 +322,5 @@ def _lines(obj: dict | list, indent: int) -> list[str]:
 
 def to_yaml(obj: dict, header: str = "") -> str:
     """`obj` as a YAML document, after `header` as comment lines."""
-    comments = [f"# {line}" for line in header.splitlines()]
+    comments = [f"# {_escape(line)}" for line in header.splitlines()]
     return "\n".join([*comments, *_lines(obj, 0)]) + "\n"

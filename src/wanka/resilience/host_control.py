@@ -60,6 +60,7 @@ log = logging.getLogger("wanka.supervisor")
 AGENT_POLL_S = 0.1
 AGENT_TIMEOUT_S = 10.0  # a host's agent this long without a beat: the host is lost
 CONNECT_S = 120.0  # for the coordinator's supervisor to start serving (it imports torch first)
+OWNER_S = AGENT_TIMEOUT_S  # a store that does not say whose it is this long: not our coordinator's
 # What a rank that died because a peer went says (gloo, NCCL, sockets): a victim. Explicit
 # phrases only: a rank's own NCCL or I/O error (ncclUnhandledCudaError, a disk's read error,
 # a data loader's time-out) is first-hand.
@@ -115,10 +116,38 @@ class HostControl:
             raise ValueError(f"resilience.control = store: {e} (the port: {CONTROL_PORT_ENV} "
                              f"or {CONTROL_ENDPOINT_ENV})") from None  # fmt: skip
         self.root = ControlStore(self.server.store, self.host, self.port, self.rdzv_id)
+        if not self.coordinating:
+            self._check_owner()
         try:  # the job's hosts, spares included: the coordinator plans attempts from them
             self._answered(lambda: (self.root.register_node(sup.node), self._beat()))
         except ConnectionError as e:
             raise ValueError(f"resilience.control = store: {e}") from None
+
+    def _check_owner(self) -> None:
+        """A follower: the store it reached is its own job's coordinator's. Another job's (or
+        an older run's) store on the port, where this job's coordinator then could not serve,
+        would leave it waiting for an attempt that never comes."""
+        deadline = time.monotonic() + OWNER_S
+        where = f"no coordinator for job {self.rdzv_id} at {self.host}:{self.port}"
+        while True:
+            try:
+                owner = self._answered(self.root.owner)
+            except ConnectionError as e:
+                raise ValueError(f"resilience.control = store: {e}") from None
+            if owner == self.rdzv_id:
+                return
+            if owner is not None:
+                raise ValueError(f"{where}: the store there belongs to job {owner!r} (another "
+                                 "job's or an older run's coordinator holds that port, so this "
+                                 "job's could not serve it); end that job, or give this one "
+                                 f"another port ({CONTROL_PORT_ENV} on every host)")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise ValueError(f"{where}: the store there belongs to another job (or the "
+                                 f"coordinator did not start): it has not said whose it is "
+                                 f"within {OWNER_S:.0f} s; check the coordinator host's log, or "
+                                 f"give this job another port ({CONTROL_PORT_ENV} on every "
+                                 "host)")  # fmt: skip
+            time.sleep(AGENT_POLL_S)
 
     def _attempt_view(self, attempt: int) -> ControlStore:
         return ControlStore(self.server.store, self.host, self.port, f"{self.rdzv_id}/a{attempt}")

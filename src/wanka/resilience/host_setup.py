@@ -43,15 +43,24 @@ def control_address(rdzv: dict) -> tuple[str, int]:
     flag = CONTROL_ENDPOINT_ENV if given is not None else "--rdzv-endpoint"
     endpoint = given if given is not None else str(rdzv.get("rdzv_endpoint") or "")
     host, _, port = endpoint.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"resilience.control = store across hosts needs {flag} HOST:PORT "
-                         f"(got {endpoint!r})")  # fmt: skip
+    if not host or not _is_port(port):
+        raise ValueError(f"resilience.control = store across hosts needs {flag} HOST:PORT, "
+                         f"the port 1-65535 (got {endpoint!r})")  # fmt: skip
     if given is not None:
         return host.strip("[]"), int(port)
     own = os.environ.get(CONTROL_PORT_ENV)
-    if own is not None and not (own.isdigit() and 0 < int(own) < 65536):
-        raise ValueError(f"{CONTROL_PORT_ENV}={own!r}: a port number, e.g. 29501")
+    if own is not None and not _is_port(own):
+        raise ValueError(f"{CONTROL_PORT_ENV}={own!r}: a port number 1-65535, e.g. 29501")
+    if not own and int(port) + 1 > 65535:
+        raise ValueError(f"{flag} {endpoint!r}: the control store takes the rendezvous port + 1, "
+                         f"and {int(port) + 1} is no port: use a rendezvous port of 1-65534, or "
+                         f"set {CONTROL_PORT_ENV} (1-65535)")  # fmt: skip
     return host.strip("[]"), int(own) if own else int(port) + 1
+
+
+def _is_port(text: str) -> bool:
+    """1-65535 in ASCII digits ('²'.isdigit() is true, but int() refuses it)."""
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
 
 
 def local_hb_root() -> Path:
