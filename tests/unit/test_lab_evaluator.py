@@ -221,3 +221,27 @@ def test_triton_templates_are_correct_under_the_interpreter(name, monkeypatch):
     wrong += "\n\ndef kernel(*args):\n    return _real_kernel(*args) * 1.5\n"
     fb = evaluate(task, wrong, EvalConfig(timing=False, check_sets=1), shapes=(TINY[name],))
     assert fb.status == "incorrect"
+
+
+def test_a_reply_describing_one_region_many_times_is_refused_before_any_clone(tmp_path):
+    """A forged reply naming the whole output region K times made the evaluator clone it K
+    times (4.3 GiB at K = 40, found by an attacker); the count must be the task's and no two
+    outputs may overlap, checked before anything is read."""
+    from types import SimpleNamespace
+
+    from wanka.lab.servers import Server
+    from wanka.lab.shm import Buffer
+    from wanka.lab.verdict import Verdict
+
+    srv = SimpleNamespace(buf=Buffer(tmp_path / "b.shm", 4096, create=True), role="candidate")
+    whole = {"dtype": "uint8", "shape": [1024], "offset": 1024}
+    half = {"dtype": "uint8", "shape": [512], "offset": 1536}  # inside `whole`
+    for outs, count, why in (([whole] * 40, None, "two outputs overlap"),
+                             ([whole, half], 2, "two outputs overlap"),
+                             ([whole], 2, "1 outputs, the task has 2"),
+                             ([], None, "0 outputs"),
+                             ([whole] * 65, None, "at most 64")):  # fmt: skip
+        with pytest.raises(Verdict) as e:
+            Server._outputs(srv, {"outs": outs}, 1024, count)
+        assert why in e.value.fb.message, e.value.fb.message
+    assert len(Server._outputs(srv, {"outs": [whole, {**half, "offset": 2112}]}, 1024, 2)) == 2

@@ -153,6 +153,12 @@ ATTACKS = {
         "x", "fwd_bwd", "a reply nested 30000 deep (RecursionError in json.loads)"),
     "atk_x_forged_dtype": Attack(
         "x", "fwd_bwd", "a forged reply with a list as an output's dtype (TypeError)"),
+    "atk_x_empty_forward": Attack(
+        "x", "fwd_bwd", "frames to the serving loop, an empty forward half, then the forward "
+        "fused with the backward once the seed is known (2.0-2.3x before)"),
+    "atk_x_shut_read": Attack(
+        "x", "fwd_bwd", "a forged forward half, then shutdown(SHUT_RD): the evaluator's send "
+        "raised BrokenPipeError"),
 }  # fmt: skip
 ORPHAN_NAME = "rt-orphan"  # atk_x_orphan's process name (PR_SET_NAME)
 

@@ -235,6 +235,7 @@ class _Job:
         self.servers.append(srv)
         srv.buf.put([self.pool])  # offset 0, where the server's spec says it is
         srv.data_at = nbytes_of(self.pool)
+        srv.n_outputs = getattr(self, "n_outputs", None)
         return srv
 
     def close(self) -> None:
@@ -251,6 +252,9 @@ class _Job:
         return compare(ref, got, _names(self.task, n_out), tol.atol, tol.rtol)
 
     def run(self, checks: list, sets: list, timing_shape: Shape) -> Feedback:
+        # (forward outputs, all outputs) of every call: a reply describing any other number
+        # is refused before anything it names is read (the reference computed them here).
+        self.n_outputs = (checks[0][4], len(checks[0][3])) if checks else None
         cand = self.spawn("candidate", {"candidate": {"file": str(self.jobdir / "candidate.py"), "trusted": False}})  # fmt: skip
         ready = cand.start()
         if ready.get("ready") is not True:

@@ -94,6 +94,9 @@ class Zygote:
         cls.proc = None
 
 
+MAX_OUTPUTS = 64  # outputs one call may describe where the task's count is not known
+
+
 def cpu_clock(pid: int) -> int:
     """Linux's clock id for the CPU time of process `pid` (all its threads, live and exited;
     nanosecond resolution), readable from outside the process."""
@@ -120,6 +123,7 @@ class Server:
         finally:
             theirs.close()
         self.two_halves = spec["mode"] == "fwd_bwd"  # forward, then backward (worker.py)
+        self.n_outputs: tuple[int, int] | None = None  # (forward, all) outputs of a call
         self.host_pid: int | None = None
         self.pidfd: int | None = None  # the host pid's process, whatever pid it has later
         self.data_at = 0  # where inputs start (a pool of random values may come first)
@@ -177,8 +181,15 @@ class Server:
             self.pidfd = None
         return self._parse(self._recv())
 
+    def _send(self, data: bytes) -> None:
+        """A send the process cannot turn into an exception here (it may have shut its end)."""
+        try:
+            self.sock.send(data)
+        except OSError:
+            raise self._died() from None
+
     def ask(self, msg: dict) -> dict:
-        self.sock.send(json.dumps(msg).encode())
+        self._send(json.dumps(msg).encode())
         return self._parse(self._recv())
 
     def call(self, kernel: str, inputs: dict, seed: int, poison: list | None = None):
@@ -197,7 +208,7 @@ class Server:
         then = json.dumps({"op": "backward", "seed": seed}).encode()
         c0 = self.cpu_s()
         t0 = time.perf_counter()
-        self.sock.send(msg)
+        self._send(msg)
         data = self._recv()
         forward: list = []
         if self.two_halves:
@@ -208,18 +219,18 @@ class Server:
                 raise reject("protocol", f"the {self.role}'s process skipped the forward half")
             # Its forward outputs are kept now, before it may learn the upstream gradient: a
             # reply sent early (forged from inside the kernel) must already hold the forward.
-            forward = [v.clone() for v in self._outputs(half, end)]
-            self.sock.send(then)
+            n_fwd = self.n_outputs[0] if self.n_outputs else None
+            forward = [v.clone() for v in self._outputs(half, end, n_fwd)]
+            self._send(then)
             data = self._recv()
         dt = time.perf_counter() - t0
         c1 = self.cpu_s()
         reply = self._parse(data)
         if reply.get("ok") is not True:
             raise self._failed(reply)
-        views = self._outputs(reply, end)
+        views = self._outputs(reply, end, self.n_outputs[1] if self.n_outputs else None)
         outs = [v.clone() for v in views]
-        if forward and (len(outs) < len(forward)
-                        or not all(_same(a, b) for a, b in zip(forward, outs))):  # fmt: skip
+        if self.two_halves and not all(_same(a, b) for a, b in zip(forward, outs)):
             raise reject("protocol", f"the {self.role}'s forward outputs changed after the "
                          "forward half")  # fmt: skip
         self.last = list(zip(views, outs))
@@ -230,14 +241,25 @@ class Server:
                 raise reject("input_write", f"the {self.role} wrote into input {name}")
         return dt, (c1 - c0 if c0 is not None and c1 is not None else dt), outs
 
-    def _outputs(self, reply: dict, end: int) -> list[torch.Tensor]:
-        """The buffer views a reply describes, validated (outputs start after the inputs)."""
+    def _outputs(self, reply: dict, end: int, count: int | None) -> list[torch.Tensor]:
+        """The buffer views a reply describes, validated: `count` of them (at most
+        MAX_OUTPUTS when unknown), after the inputs, none overlapping another (a reply naming
+        one region a thousand times would make this process clone it a thousand times)."""
         try:
-            if not isinstance(reply.get("outs"), list) or any(m is None for m in reply["outs"]):
+            metas = reply.get("outs")
+            if not isinstance(metas, list) or any(m is None for m in metas):
                 raise ShmError("no output list")
-            views = [self.buf.get(m) for m in reply["outs"]]
-            if any(m["offset"] < end for m in reply["outs"]):  # the inputs, the pool
+            if len(metas) != (count if count is not None else len(metas)) or not metas:
+                raise ShmError(f"{len(metas)} outputs, the task has {count}")
+            if len(metas) > MAX_OUTPUTS:
+                raise ShmError(f"{len(metas)} outputs (at most {MAX_OUTPUTS})")
+            views = [self.buf.get(m) for m in metas]
+            if any(m["offset"] < end for m in metas):  # the inputs, the pool
                 raise ShmError("outputs overlap the inputs")
+            spans = sorted((m["offset"], m["offset"] + v.numel() * v.element_size())
+                           for m, v in zip(metas, views))  # fmt: skip
+            if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+                raise ShmError("two outputs overlap")
         except (ShmError, TypeError, KeyError) as e:
             raise reject("protocol", f"the {self.role}'s process described its outputs "
                           f"wrongly: {e}") from None  # fmt: skip
