@@ -18,7 +18,8 @@ FORBIDDEN_MODULES = frozenset({
     "tempfile", "pickle", "marshal", "importlib", "builtins", "time", "resource", "code",
     "codeop", "types", "atexit", "sched", "faulthandler", "mmap", "secrets", "random",
     "posix", "nt", "pkgutil", "_posixsubprocess", "_ctypes", "_signal", "_socket", "_io",
-    "runpy", "zipimport", "pty", "fcntl", "termios", "select", "selectors",
+    "runpy", "zipimport", "pty", "fcntl", "termios", "select", "selectors", "_posixshmem",
+    "traceback", "string",
 })  # fmt: skip
 FORBIDDEN_PREFIXES = ("wanka.lab", "torch.multiprocessing", "torch.cuda.streams")
 FORBIDDEN_CALLS = frozenset({
@@ -49,7 +50,7 @@ DENIED_NAMES = frozenset({
     "environ", "putenv", "dup2", "save", "savez", "savez_compressed", "savetxt", "tofile",
     "_open_file", "_open_zipfile_writer", "methodcaller", "attrgetter", "lab", "worker",
     "evaluator", "servers", "sandbox", "zygote", "resolve_name", "import_module", "setsid",
-    "memfd_create", "prctl", "_libc",
+    "memfd_create", "prctl", "_libc", "shm_open", "walk_stack", "walk_tb", "get_field",
     "f_back", "f_locals", "f_globals", "f_code", "tb_frame", "gi_frame", "_getframe",
 })  # fmt: skip
 DENIED_PREFIXES = ("exec", "spawn", "_exec", "_spawn")
