@@ -111,6 +111,7 @@ def job_id(run_dir: Path) -> str:
     recorded beside it, tells the copy from the original (a `mv` keeps the inode, and so the
     snapshots; nodes that share the run directory over NFS see the same inode)."""
     path = resilience_dir(run_dir) / "job_id"
+    path.parent.mkdir(parents=True, exist_ok=True)
     where = path.with_name("job_id.inode")
     inode = str(Path(run_dir).stat().st_ino)
     try:
@@ -118,7 +119,6 @@ def job_id(run_dir: Path) -> str:
     except OSError:
         copied = False  # recorded before inodes were: taken as the original
     if not path.is_file() or copied:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
     if copied or not where.is_file():
         where.write_text(inode + "\n")
