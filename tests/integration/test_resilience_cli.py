@@ -174,3 +174,20 @@ def test_a_schedule_change_is_reported_when_the_resume_is_from_memory(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from the in-memory snapshot" in r.stderr, r.stderr[-3000:]
     assert "lr schedule changed on resume" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_refused_checkpoint_load_moves_nothing(reference):
+    """checkpoint.load at the run directory itself is refused (point it at a step): the run's
+    checkpoints stay where they are (they were moved aside before the refusal, found in
+    review), and its snapshots are not forgotten."""
+    import shutil
+
+    tmp, _ = reference
+    run = tmp / "badload"
+    shutil.copytree(tmp / "ref", run, symlinks=True)
+    r = wanka("train", *small(tmp, "badload"), "--set", f'checkpoint.load="{run}"')
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "is a run directory" in r.stderr, r.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
+        "step-00000004", "step-00000008", "step-00000012"]  # fmt: skip
+    assert not list((run / "checkpoints").glob("superseded-*"))

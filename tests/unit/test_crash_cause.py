@@ -41,12 +41,16 @@ def test_the_same_crash_twice_is_not_transient():
 
 
 def test_the_jobs_own_code_failing_twice_at_one_step_is_not_transient():
-    """A death or hang in the user_code phase (a reward function) leaves no exception to
-    compare: the same cause at the same step and rank twice is enough."""
+    """A death in the user_code phase (a reward function) leaves no exception to compare:
+    the same cause at the same step and rank twice is enough."""
     died = Outcome("user_code", rank=0, max_step=2, detail="rank 0 died in user_code of step 3")
-    hung = Outcome("user_code", rank=0, max_step=2, detail="rank 0 made no progress ...")
-    sup = types.SimpleNamespace(outcomes=[died, hung])
-    assert Supervisor._repeated(sup, hung)
+    again = Outcome("user_code", rank=0, max_step=2, detail="rank 0 died in user_code of step 3")
+    sup = types.SimpleNamespace(outcomes=[died, again])
+    assert Supervisor._repeated(sup, again)
+    # A hang is time over a learned limit: a slow but honest step may overrun twice.
+    hung = Outcome("user_code", rank=0, max_step=2, detail="made no progress", limit_s=30.0)
+    sup.outcomes = [hung, hung]
+    assert not Supervisor._repeated(sup, hung)
     other = Outcome("user_code", rank=0, max_step=5)
     sup.outcomes = [died, other]
     assert not Supervisor._repeated(sup, other)  # progress was made

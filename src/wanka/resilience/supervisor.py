@@ -115,14 +115,23 @@ def job_id(run_dir: Path) -> str:
     where = path.with_name("job_id.inode")
     inode = str(Path(run_dir).stat().st_ino)
     try:
-        copied = where.read_text().strip() != inode
+        recorded = where.read_text().strip()
     except OSError:
-        copied = False  # recorded before inodes were: taken as the original
+        recorded = ""
+    # Unknown (recorded before inodes were, or being written by another host): the original.
+    copied = recorded.isdigit() and recorded != inode
     if not path.is_file() or copied:
-        path.write_text(f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
-    if copied or not where.is_file():
-        where.write_text(inode + "\n")
+        _write_atomic(path, f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
+    if copied or not recorded.isdigit():
+        _write_atomic(where, inode + "\n")
     return path.read_text().strip()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (other hosts' supervisors on a shared run directory) see all of it or none."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
@@ -850,7 +859,10 @@ class Supervisor:
         """The same exception at the same step as the attempt before, or the job's own code
         failing (dying or hanging) again at the same step: deterministic (a bug or bad input),
         which a restart cannot fix. Injected faults leave no exception."""
-        if len(self.outcomes) < 2 or not (out.error or out.cause == "user_code"):
+        # A user_code hang is time over a learned limit: a slow but honest step may overrun
+        # again, so only a death in the job's own code counts as deterministic.
+        user_death = out.cause == "user_code" and out.limit_s is None
+        if len(self.outcomes) < 2 or not (out.error or user_death):
             return False
         prev = self.outcomes[-2]
         key = ("error", "max_step", "rank") if out.error else ("cause", "max_step", "rank")

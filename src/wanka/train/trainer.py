@@ -587,15 +587,6 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         raise ValueError(f"{job.run_dir} already holds checkpoints ({ckpt.latest().name}) and "
                          "checkpoint.load='none': use a new run.dir, or resume with 'latest'")  # fmt: skip
     path = None if load == "none" else (ckpt.latest_valid() if load == "latest" else Path(load))
-    if path is not None and load != "latest" and snapshots is not None:
-        snapshots.forget()  # a restart continues from here, not from what memory held before
-    if path is not None and load != "latest" and ckpt.is_main:
-        from wanka.train.checkpoint import supersede
-
-        if (aside := supersede(ckpt.root, path)) is not None:
-            log.warning("checkpoint.load=%s goes back from this run's newer checkpoints: "
-                        "moved them to %s (kept), so that restarts and pruning follow the "
-                        "run from here", load, aside)  # fmt: skip
     for problem in ckpt.skipped:  # damaged checkpoints met on the way (rank 0 knows them)
         now = time.time()
         job.runtime.event("fault", now, now, cause="checkpoint_corrupt", rank=None,
@@ -632,6 +623,8 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         info.update(source="none", step=0)
         return 0
     state = ckpt.load(path, _train_state(job))
+    if load != "latest":  # only once the given checkpoint loaded: a refused one moves nothing
+        _went_back(ckpt, snapshots, path, load)
     if "loader" in state:  # else a model-only checkpoint (`wanka import`): data from the start
         job.loader.load_state_dict(state["loader"])
     if "guard" in state:
@@ -641,6 +634,20 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
     _note_schedule_change(job, state.get("lr_schedule"), int(state["step"]), info)
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"])
+
+
+def _went_back(ckpt: Checkpointer, snapshots, path: Path, load: str) -> None:
+    """checkpoint.load started the run from `path`: a restart continues from here, not from
+    what memory or the run's newer checkpoints held before."""
+    if snapshots is not None:
+        snapshots.forget()
+    if ckpt.is_main:
+        from wanka.train.checkpoint import supersede
+
+        if (aside := supersede(ckpt.root, path)) is not None:
+            log.warning("checkpoint.load=%s goes back from this run's newer checkpoints: "
+                        "moved them to %s (kept), so that restarts and pruning follow the "
+                        "run from here", load, aside)  # fmt: skip
 
 
 def _init_weights(job: Job, ckpt: Checkpointer, info: dict) -> int:
