@@ -162,6 +162,7 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run keeps extending the same file (see truncate_after).
         self._file = open(self.path, "a", encoding="utf-8")
+        self._write_failed = False
         self._tb = self._open_tb()
         self.progress = ProgressBar(total_steps, stream if stream is not None else sys.stderr)
 
@@ -176,11 +177,8 @@ class MetricsWriter:
 
     def _write(self, kind: str, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         values = {k: _scalar(v) for k, v in metrics.items()}
-        assert self._file is not None
         row = {"kind": kind, "step": int(step), "time": time.time(), **values}
-        self._file.write(json.dumps(row) + "\n")
-        # Flush per row so a crash loses at most the row being written.
-        self._file.flush()
+        self._append(row)
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(f"{kind}/{k}", v, int(step))
@@ -206,8 +204,41 @@ class MetricsWriter:
         if not self.is_main or self._file is None:
             return
         row = {"kind": kind, "step": int(step), "time": time.time(), **fields}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._append(row)
+
+    def _append(self, row: dict) -> None:
+        """One JSON line, flushed (a crash loses at most the row being written). A disk that
+        filled up loses the row, not the run: the file is cut back to its last whole line (the
+        next row would otherwise continue a torn one) and reopened (dropping what the failed
+        flush left buffered), said once, and training goes on, as past a failed checkpoint."""
+        if self._file is None and not self._reopen():
+            return
+        at = os.fstat(self._file.fileno()).st_size
+        try:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+        except OSError as e:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+            try:
+                os.truncate(self.path, at)
+            except OSError:
+                pass
+            if not self._write_failed:
+                print(f"wanka: metrics not written to {self.path} ({e.strerror or e}); training "
+                      "goes on, later rows are tried again", file=sys.stderr, flush=True)  # fmt: skip
+            self._write_failed = True
+            self._reopen()
+
+    def _reopen(self) -> bool:
+        try:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        except OSError:
+            self._file = None
+        return self._file is not None
 
     def truncate_after(self, step: int) -> None:
         """Drop rows logged after `step` (lost work from before a resume), atomically."""
