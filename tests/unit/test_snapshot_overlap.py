@@ -64,7 +64,7 @@ def test_a_failed_copy_is_raised_at_settle_and_leaves_the_last_snapshot(tmp_path
     def full_disk(path, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(snap, "_atomic_write", full_disk)
+    monkeypatch.setattr(snap, "atomic_write", full_disk)
     store.save(2, {"w": torch.zeros(3)})
     with pytest.raises(OSError, match="No space"):
         store.settle()

@@ -233,7 +233,7 @@ class SnapshotStore:
                          tensors: list[torch.Tensor], meta: bytes) -> None:  # fmt: skip
         with torch.no_grad():
             torch._foreach_copy_(views, tensors)  # one call: ~300 tensors, little Python
-        _atomic_write(self.dir / _meta_name(step, slot, self.signature), meta)
+        atomic_write(self.dir / _meta_name(step, slot, self.signature), meta)
         self._newest_slot = slot
         if self._thread is not None:
             self._free[slot].clear()
@@ -351,7 +351,7 @@ class SnapshotStore:
         self._p2p(out, inp)  # straight from my mapping into the buddy's
         in_step = pickle.loads(inp_meta.numpy().tobytes())["step"]
         name = _meta_name(in_step, in_slot, self.signature)
-        _atomic_write(self.replica_dir / name, inp_meta.numpy().tobytes())
+        atomic_write(self.replica_dir / name, inp_meta.numpy().tobytes())
 
     def _p2p(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         ops = [dist.P2POp(dist.isend, out, self.send_to, self._group),
@@ -433,7 +433,7 @@ class SnapshotStore:
                 self._map(self.dir / f"slot{slot}.{self.signature}.bin", parts[1].numel()).copy_(
                     parts[1]
                 )
-                _atomic_write(
+                atomic_write(
                     self.dir / _meta_name(step, slot, self.signature), parts[0].numpy().tobytes()
                 )
                 got = self.dir
@@ -489,7 +489,8 @@ def _sweep(d: Path, signature: str) -> None:
             p.unlink(missing_ok=True)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Readers see all of `data` or the file as it was (written aside, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)

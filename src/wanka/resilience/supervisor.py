@@ -110,6 +110,8 @@ def job_id(run_dir: Path) -> str:
     snapshots. A copy (`cp -a run run2`) carries the job_id file along; the folder's inode,
     recorded beside it, tells the copy from the original (a `mv` keeps the inode, and so the
     snapshots; nodes that share the run directory over NFS see the same inode)."""
+    from wanka.resilience.snapshot import atomic_write  # (readers on other hosts: all or none)
+
     path = resilience_dir(run_dir) / "job_id"
     path.parent.mkdir(parents=True, exist_ok=True)
     where = path.with_name("job_id.inode")
@@ -121,17 +123,10 @@ def job_id(run_dir: Path) -> str:
     # Unknown (recorded before inodes were, or being written by another host): the original.
     copied = recorded.isdigit() and recorded != inode
     if not path.is_file() or copied:
-        _write_atomic(path, f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}")
+        atomic_write(path, f"{Path(run_dir).resolve().name}-{uuid.uuid4().hex[:8]}".encode())
     if copied or not recorded.isdigit():
-        _write_atomic(where, inode + "\n")
+        atomic_write(where, (inode + "\n").encode())
     return path.read_text().strip()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers (other hosts' supervisors on a shared run directory) see all of it or none."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
