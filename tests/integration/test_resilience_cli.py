@@ -191,3 +191,43 @@ def test_a_refused_checkpoint_load_moves_nothing(reference):
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
         "step-00000004", "step-00000008", "step-00000012"]  # fmt: skip
     assert not list((run / "checkpoints").glob("superseded-*"))
+
+
+def test_a_stop_request_while_waiting_at_a_multi_node_rendezvous_ends_the_job(tmp_path):
+    """One host of a two-host job waits at torch's rendezvous for the other, which never
+    comes. SIGTERM (scancel, a pod's termination) used to be only noted there: the host kept
+    waiting for the join time-out (600 s) and held its allocation. It ends the job now, as a
+    stop request, in seconds."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from wanka.distributed.launch import free_port
+
+    from .helpers import REPO
+
+    port = free_port()
+    args = [*small(tmp_path, "run")[:1], "--nproc", "1", "--nnodes", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lonely",
+            *small(tmp_path, "run")[3:], "--set", "resilience.preflight=\"off\""]  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "wanka.cli", "train", *args], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the rendezvous' store listens: the agent waits
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert p.poll() is None, p.communicate()[0]
+            time.sleep(0.5)
+        else:
+            pytest.fail("the rendezvous never started")
+        time.sleep(2)
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode != 0, out
+    assert "stopped on request (signal 15)" in out, out

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from wanka.resilience import host_control as hc
-from wanka.resilience.monitor import Timeouts
+from wanka.resilience.monitor import StopRequested, Timeouts
 from wanka.resilience.supervisor import Outcome
 
 
@@ -29,6 +29,7 @@ def fake_sup(tmp: Path, node: str, port: int, nnodes: int = 2, rdzv_id: str = "7
     chaos = SimpleNamespace(inside_ids=lambda: [], note_fired=lambda marks: None)
     evicted = {} if evicted is None else evicted  # the ledger's evictions, shared by reference
     return SimpleNamespace(rdzv=rdzv, nproc=1, nnodes=nnodes, node=node, chaos=chaos,
+                           stop_requested=threading.Event(),
                            rc=SimpleNamespace(spare_nodes=spares, snapshot_dir=str(tmp / "snap")),
                            job="job", run_dir=tmp / "run",
                            ledger=SimpleNamespace(evicted=lambda: dict(evicted)),
@@ -402,6 +403,29 @@ def test_a_stop_request_while_waiting_for_the_coordinator_is_resumable(pair):
     stop.set()
     nxt = follower.wait_next(1, stop)
     assert (nxt["action"], nxt["rc"]) == ("end", 75)
+
+
+def test_a_stop_request_while_waiting_for_hosts_ends_the_wait(tmp_path, monkeypatch):
+    """SIGTERM while the coordinator waits for hosts to reach the store (up to FIRST_PLAN_S)
+    or a follower waits for the first attempt was only noted: the host waited on, holding
+    its allocation. Now the wait ends at once (the supervisor exits resumable, 75)."""
+    port = _free_port()
+    monkeypatch.setattr(hc, "local_hb_root", lambda: tmp_path / "shm")
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    head = hc.HostControl(fake_sup(tmp_path, "n0", port, nnodes=3))
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    follower = hc.HostControl(fake_sup(tmp_path, "n1", port, nnodes=3))
+    try:
+        for c, waits, why in ((head, lambda: head.plan(1), "of 3 reached"),
+                              (follower, follower.join, "coordinator's first attempt")):  # fmt: skip
+            threading.Timer(0.5, c.sup.stop_requested.set).start()
+            t0 = time.monotonic()
+            with pytest.raises(StopRequested, match=why):
+                waits()
+            assert time.monotonic() - t0 < 5
+    finally:
+        for c in (head, follower):
+            c.orphaned = True
 
 
 def test_a_follower_whose_pre_flight_failed_ends_the_job_at_the_coordinator(pair):

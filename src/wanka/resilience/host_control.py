@@ -53,7 +53,7 @@ from wanka.resilience.host_setup import (
     local_hb_root,
     safe_name,
 )
-from wanka.resilience.monitor import UNSTICK_AFTER_S
+from wanka.resilience.monitor import UNSTICK_AFTER_S, StopRequested
 from wanka.resilience.snapshot import inventory, restorable
 
 log = logging.getLogger("wanka.supervisor")
@@ -175,6 +175,9 @@ class HostControl:
                 break
             if nxt is not None:
                 return 0, nxt
+            if self.sup.stop_requested.is_set():
+                raise StopRequested("stopped on request while waiting for the coordinator's "
+                                    "first attempt")  # fmt: skip
             time.sleep(AGENT_POLL_S)
         at = int(cur["attempt"])
         if cur.get("members"):
@@ -251,6 +254,9 @@ class HostControl:
                 waited_s = time.monotonic()
                 log.warning("waiting for hosts: %d of %d reached the control store",
                             len(live - evicted), self.width)  # fmt: skip
+            if self.sup.stop_requested.is_set():
+                raise StopRequested(f"stopped on request while waiting for hosts ({len(live - evicted)} "
+                                    f"of {self.width} reached the control store)")  # fmt: skip
             time.sleep(AGENT_POLL_S)
         self.gone = set(hosts) - live
         self.evicted_now = evicted & set(hosts)

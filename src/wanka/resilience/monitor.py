@@ -37,6 +37,11 @@ IO_FLOOR_S = 30.0
 UNSTICK_AFTER_S = 10.0
 
 
+class StopRequested(Exception):
+    """A stop request (SIGTERM, Ctrl-C) while the supervisor waits for other hosts: the job
+    ends there, resumable, instead of waiting on for hosts that may never come."""
+
+
 def user_code_fault(cause: str, phase: str) -> str:
     """A rank that died or hung while it ran the job's own code (a post.reward function) is
     that code's fault, not its node's: the ledger does not count it against the node."""

@@ -37,6 +37,7 @@ from wanka.resilience.ledger import EvictionPolicy, FaultLedger
 from wanka.resilience.monitor import (
     UNSTICK_AFTER_S,
     HangMonitor,
+    StopRequested,
     Timeouts,
     dump_stacks,
     process_state,
@@ -235,6 +236,8 @@ class Supervisor:
                         "watching files")  # fmt: skip
         self._preempt = threading.Event()
         self._unstick = threading.Event()  # the watch stopped a stuck launcher (not a preemption)
+        self._in_agent = False  # torch's elastic agent runs in this process (its rendezvous...)
+        self.stop_requested = self._preempt  # what the host control's waits look at
         self._warned: set[str] = set()
         self._warm = None  # the next cluster attempt's launchers (resilience/cluster_attempt.py)
         self.nodes: list = []  # the cluster nodes of the current attempt, in node-rank order
@@ -325,9 +328,13 @@ class Supervisor:
                 if self.cluster is not None:
                     self._cluster_attempt(attempt, env, out, stop)
                 else:
-                    elastic_launch(self._launch_config(attempt), _worker_entry)(
-                        self.worker_argv, env
-                    )
+                    self._in_agent = True
+                    try:
+                        elastic_launch(self._launch_config(attempt), _worker_entry)(
+                            self.worker_argv, env
+                        )
+                    finally:
+                        self._in_agent = False
             except ChildFailedError as e:
                 out.codes = [f.exitcode for f in e.failures.values()]
                 out.exits = {int(r): f.exitcode for r, f in e.failures.items()}
@@ -410,6 +417,16 @@ class Supervisor:
                 signal.signal(sig, self._on_stop_request)
 
     def _on_stop_request(self, signum: int, _frame) -> None:
+        if self._in_agent:
+            # The agent is still before its ranks (their start installs its own handlers):
+            # waiting at a multi-node rendezvous, it would go on waiting for the other hosts
+            # (up to the join time-out) with the request only noted. End it as its handler
+            # would; _attempt tells a stop request from the watch's own SIGTERM.
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            self._in_agent = False
+            raise SignalException(f"signal {signum} before the ranks started",
+                                  sigval=signal.Signals(signum))  # fmt: skip
         if not self._ours(signum):
             self._preempt.set()
 
@@ -615,7 +632,11 @@ class Supervisor:
     def run(self) -> int:
         rc = 1
         try:
-            rc = self._run()
+            try:
+                rc = self._run()
+            except StopRequested as e:
+                print(f"{self.says} {e}; run the same command again to resume", file=sys.stderr)
+                rc = EXIT_PREEMPTED
             return rc
         except BaseException as e:  # the other hosts' ranks must not wait on ours
             if isinstance(e, ValueError):  # said in one line by the CLI, which exits 2
