@@ -4,6 +4,7 @@ verdict with side-by-side timings for an honest one."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -223,25 +224,35 @@ def test_triton_templates_are_correct_under_the_interpreter(name, monkeypatch):
     assert fb.status == "incorrect"
 
 
-def test_a_reply_describing_one_region_many_times_is_refused_before_any_clone(tmp_path):
-    """A forged reply naming the whole output region K times made the evaluator clone it K
-    times (4.3 GiB at K = 40, found by an attacker); the count must be the task's and no two
-    outputs may overlap, checked before anything is read."""
+def test_a_reply_describing_one_region_many_times_is_refused_before_it_is_read(tmp_path):
+    """A forged reply naming one region K times made the evaluator copy it K times (4.3 GiB
+    at K = 40, found by an attacker): the count must be the task's and all outputs together
+    may hold no more bytes than the server's buffer. Addresses the server has not mapped, and
+    malformed ones, are refused; a good reply is read out of the server's memory."""
     from types import SimpleNamespace
 
     from wanka.lab.servers import Server
     from wanka.lab.shm import Buffer
     from wanka.lab.verdict import Verdict
 
-    srv = SimpleNamespace(buf=Buffer(tmp_path / "b.shm", 4096, create=True), role="candidate")
-    whole = {"dtype": "uint8", "shape": [1024], "offset": 1024}
-    half = {"dtype": "uint8", "shape": [512], "offset": 1536}  # inside `whole`
-    for outs, count, why in (([whole] * 40, None, "two outputs overlap"),
-                             ([whole, half], 2, "two outputs overlap"),
+    srv = SimpleNamespace(buf=Buffer(tmp_path / "b.shm", 4096, create=True), role="candidate",
+                          host_pid=os.getpid(), pidfd=None)  # fmt: skip
+    data = torch.arange(1024, dtype=torch.int32).to(torch.uint8)
+    whole = {"dtype": "uint8", "shape": [1024], "ptr": data.data_ptr()}
+    half = {**whole, "shape": [512], "ptr": data.data_ptr() + 512}
+    for outs, count, why in (([whole] * 40, None, "more than the 4096 a reply may hold"),
                              ([whole], 2, "1 outputs, the task has 2"),
                              ([], None, "0 outputs"),
-                             ([whole] * 65, None, "at most 64")):  # fmt: skip
+                             ([whole] * 65, None, "at most 64"),
+                             ([{**whole, "ptr": 8}], 1, "cannot read"),
+                             ([{**whole, "ptr": -5}], 1, "malformed address"),
+                             ([{**whole, "ptr": 2**64 - 1}], 1, "malformed address"),
+                             ([{**whole, "ptr": "0x10"}], 1, "malformed address"),
+                             ([{**whole, "offset": 0}], 1, "malformed tensor description"),
+                             ([{**whole, "dtype": ["x"]}], 1, "malformed")):  # fmt: skip
         with pytest.raises(Verdict) as e:
-            Server._outputs(srv, {"outs": outs}, 1024, count)
+            Server._read(srv, {"outs": outs}, count)
         assert why in e.value.fb.message, e.value.fb.message
-    assert len(Server._outputs(srv, {"outs": [whole, {**half, "offset": 2112}]}, 1024, 2)) == 2
+    got = Server._read(srv, {"outs": [whole, half]}, 2)
+    assert torch.equal(got[0], data) and torch.equal(got[1], data[512:])
+    assert got[0].data_ptr() != data.data_ptr()  # a copy, not a view of the server's memory

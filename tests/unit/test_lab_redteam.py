@@ -156,6 +156,10 @@ ATTACKS = {
     "atk_x_empty_forward": Attack(
         "x", "fwd_bwd", "frames to the serving loop, an empty forward half, then the forward "
         "fused with the backward once the seed is known (2.0-2.3x before)"),
+    "atk_x_socket_takeover": Attack(
+        "x", "fwd_bwd", "frames to the serving loop, then serves every call itself: autograd's "
+        "operations for the reference written out by hand, results in tensors of its own "
+        "(1.65-1.79x while it could write into output slots)"),
     "atk_x_shut_read": Attack(
         "x", "fwd_bwd", "a forged forward half, then shutdown(SHUT_RD): the evaluator's send "
         "raised BrokenPipeError"),

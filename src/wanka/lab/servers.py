@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from wanka.lab.shm import Buffer, ShmError, encode_inputs
+from wanka.lab import worker
+from wanka.lab.shm import Buffer, ShmError, encode_inputs, parse_description, read_remote
 from wanka.lab.verdict import Feedback, Verdict, reject
 
 _ENV_KEEP = {"PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV",
@@ -126,9 +127,8 @@ class Server:
         self.n_outputs: tuple[int, int] | None = None  # (forward, all) outputs of a call
         self.host_pid: int | None = None
         self.pidfd: int | None = None  # the host pid's process, whatever pid it has later
-        self.data_at = 0  # where inputs start (a pool of random values may come first)
         self.clock: int | None = None
-        self.last: list = []  # (description, copy) of the last call's outputs
+        self.pool: torch.Tensor | None = None  # upstream gradients' values (worker.grad_rule)
 
     def _recv(self) -> bytes:
         left = self.deadline - time.monotonic()
@@ -193,47 +193,45 @@ class Server:
         return self._parse(self._recv())
 
     def call(self, kernel: str, inputs: dict, seed: int, poison: list | None = None):
-        """One call -> (wall seconds from request to reply, CPU seconds the process used
-        meanwhile, copies of the outputs). The outputs are in shared memory before the
-        reply: nothing computed after it counts."""
+        """One call -> (wall seconds from the request until its outputs were read, CPU seconds
+        the process used meanwhile, the outputs). The outputs are copied here out of the
+        server's memory before the clock stops: nothing computed after that counts, and no
+        copy or upstream gradient is left for the server to skip."""
         early = self.sock.recv(1 << 16) if select.select([self.sock], [], [], 0)[0] else None
         if early == b"":
             raise self._died()
         if early is not None:
             raise reject("protocol", f"the {self.role}'s process sent a message nobody asked for")
-        metas, end = encode_inputs(self.buf, inputs, self.data_at)
-        # No seed in the request: the upstream gradient is told only once the forward is done.
-        msg = json.dumps({"op": "call", "kernel": kernel, "inputs": metas, "out_at": end,
+        metas, end = encode_inputs(self.buf, inputs)
+        # No gradient in the request: it is written only once the forward has been read.
+        msg = json.dumps({"op": "call", "kernel": kernel, "inputs": metas,
                           "poison": poison}).encode()  # fmt: skip
-        then = json.dumps({"op": "backward", "seed": seed}).encode()
+        n_fwd, n_all = self.n_outputs or (None, None)
         c0 = self.cpu_s()
         t0 = time.perf_counter()
         self._send(msg)
-        data = self._recv()
-        forward: list = []
+        reply = self._parse(self._recv())
+        outs: list = []
         if self.two_halves:
-            half = self._parse(data)
-            if half.get("ok") is not True:
-                raise self._failed(half)
-            if half.get("phase") != "forward":
+            if reply.get("ok") is not True:
+                raise self._failed(reply)
+            if reply.get("phase") != "forward":
                 raise reject("protocol", f"the {self.role}'s process skipped the forward half")
-            # Its forward outputs are kept now, before it may learn the upstream gradient: a
-            # reply sent early (forged from inside the kernel) must already hold the forward.
-            n_fwd = self.n_outputs[0] if self.n_outputs else None
-            forward = [v.clone() for v in self._outputs(half, end, n_fwd)]
-            self._send(then)
-            data = self._recv()
-        dt = time.perf_counter() - t0
-        c1 = self.cpu_s()
-        reply = self._parse(data)
+            # The forward is read (kept) before the server may learn the upstream gradient.
+            outs = self._read(reply, n_fwd)
+            grads = worker.grad_rule(tuple(outs), seed, self.pool)
+            try:
+                described, _ = self.buf.put(grads, end)
+            except ShmError as e:
+                raise reject("protocol", f"the {self.role}'s forward outputs do not fit: {e}") from None  # fmt: skip
+            self._send(json.dumps({"op": "backward", "grads": described}).encode())
+            reply = self._parse(self._recv())
         if reply.get("ok") is not True:
             raise self._failed(reply)
-        views = self._outputs(reply, end, self.n_outputs[1] if self.n_outputs else None)
-        outs = [v.clone() for v in views]
-        if self.two_halves and not all(_same(a, b) for a, b in zip(forward, outs)):
-            raise reject("protocol", f"the {self.role}'s forward outputs changed after the "
-                         "forward half")  # fmt: skip
-        self.last = list(zip(views, outs))
+        rest = None if n_all is None else n_all - len(outs)
+        outs += self._read(reply, rest)
+        dt = time.perf_counter() - t0
+        c1 = self.cpu_s()
         for name, t in inputs.items():
             if isinstance(t, torch.Tensor) and not _same(
                 t.cpu(), self.buf.get(metas[name]["tensor"])
@@ -241,10 +239,11 @@ class Server:
                 raise reject("input_write", f"the {self.role} wrote into input {name}")
         return dt, (c1 - c0 if c0 is not None and c1 is not None else dt), outs
 
-    def _outputs(self, reply: dict, end: int, count: int | None) -> list[torch.Tensor]:
-        """The buffer views a reply describes, validated: `count` of them (at most
-        MAX_OUTPUTS when unknown), after the inputs, none overlapping another (a reply naming
-        one region a thousand times would make this process clone it a thousand times)."""
+    def _read(self, reply: dict, count: int | None) -> list[torch.Tensor]:
+        """Copies of the outputs a reply describes, read out of the server's memory and
+        validated: `count` of them (at most MAX_OUTPUTS when unknown), together no more bytes
+        than the shared buffer holds (a reply naming a huge region, or one region a thousand
+        times, would make this process allocate it)."""
         try:
             metas = reply.get("outs")
             if not isinstance(metas, list) or any(m is None for m in metas):
@@ -253,20 +252,16 @@ class Server:
                 raise ShmError(f"{len(metas)} outputs, the task has {count}")
             if len(metas) > MAX_OUTPUTS:
                 raise ShmError(f"{len(metas)} outputs (at most {MAX_OUTPUTS})")
-            views = [self.buf.get(m) for m in metas]
-            if any(m["offset"] < end for m in metas):  # the inputs, the pool
-                raise ShmError("outputs overlap the inputs")
-            spans = sorted((m["offset"], m["offset"] + v.numel() * v.element_size())
-                           for m, v in zip(metas, views))  # fmt: skip
-            if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
-                raise ShmError("two outputs overlap")
+            total = sum(parse_description(m, "ptr")[2] for m in metas)
+            if total > self.buf.nbytes:
+                raise ShmError(f"{total} bytes, more than the {self.buf.nbytes} a reply may hold")
+            outs = [read_remote(self.host_pid, m, total) for m in metas]
         except (ShmError, TypeError, KeyError) as e:
             raise reject("protocol", f"the {self.role}'s process described its outputs "
                           f"wrongly: {e}") from None  # fmt: skip
-        return views
-
-    def outputs_unchanged(self) -> bool:
-        return all(_same(v, c) for v, c in self.last)
+        if self.pidfd is not None and select.select([self.pidfd], [], [], 0)[0]:
+            raise self._died()  # gone: its pid may name another process now
+        return outs
 
     def _failed(self, reply: dict) -> Verdict:
         msg = str(reply.get("message", ""))[:2000]

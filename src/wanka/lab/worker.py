@@ -1,13 +1,14 @@
 """The evaluator's kernel servers: processes forked by zygote.py that run kernels on inputs
-the evaluator writes into shared memory, one call per message, and hand the outputs back.
+the evaluator writes into shared memory, one call per message, and say where their outputs
+are (the evaluator reads them out of the server's memory itself).
 
 Two servers per evaluation: a trusted one (the baseline, the reference where it differs,
 the roofline peaks) and one for the candidate. The candidate's server is isolated before the
 candidate's source is even compiled (sandbox.py: namespaces, read-only mounts, uid nobody,
 seccomp; rlimits and an audit hook where that is unavailable) and is trusted with nothing:
-the evaluator times every call itself (send -> reply, around the outputs already written
-to shared memory), checks every call's outputs, counts the process's CPU time from the host's
-/proc, and never reads anything from it but JSON and tensor bytes it validates.
+the evaluator times every call itself (from the request until it has read the outputs),
+checks every call's outputs, counts the process's CPU time from the host's /proc, and never
+reads anything from it but JSON and tensor bytes it validates.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ _PERF = __import__("time").perf_counter  # captured before any candidate code ru
 
 
 def grad_rule(outs: tuple, seed: int, pool=None) -> list:
-    """Upstream gradient of a call: a window of `pool` (N(0, 1) values the evaluator drew and
-    wrote into shared memory before timing) at an offset given by the call's seed, 0 where
-    the output is not finite (masked slots). Drawing millions of normals inside the timed
-    call would cost more than many kernels. Outputs larger than the pool draw their own."""
+    """Upstream gradient of a call: a window of `pool` (N(0, 1) values the evaluator drew
+    once) at an offset given by the call's seed, 0 where the output is not finite (masked
+    slots). The evaluator computes it from the forward outputs it read, between the two
+    halves of a call, for every server alike (and for the references it computes itself).
+    Outputs larger than the pool draw their own."""
     import torch
 
     g = None
@@ -293,44 +295,37 @@ def _entry_points() -> list[tuple[str, object, str, object]]:
     return out
 
 
-def make_serve(
-    sock: socket.socket, buf, out_buf, spec: dict, peaks: dict
-) -> Callable[[dict], None]:
+def make_serve(sock: socket.socket, buf, spec: dict, peaks: dict) -> Callable[[dict], None]:
     """The serving loop, every harness function it calls bound now, before any candidate code
-    runs: a candidate that rebinds this module's globals (worker.call, grad_rule, ...) or the
+    runs: a candidate that rebinds this module's globals (worker.call, forward, ...) or the
     buffer's methods changes nothing that runs in its calls. The loop answers `call` (inputs
-    in the buffer -> outputs written after them; for fwd_bwd in two halves: the forward, then,
-    told the upstream gradient's seed, the backward), `peaks` (roofline, measured at start),
-    `exit`; it returns when the evaluator hangs up. `out_buf`: a second mapping of `buf`
-    (Buffer.another_mapping), which the outputs are written through: the forward's, written
-    before the backward, would otherwise bump the version counter the input views share."""
+    in the buffer -> outputs described by address; the evaluator reads them out of this
+    process's memory before it sends anything else; for fwd_bwd in two halves: the forward,
+    then, given the upstream gradients, the gradients of the inputs), `peaks` (roofline,
+    measured at start), `exit`; it returns when the evaluator hangs up. A kernel that takes
+    the socket over saves the harness nothing but autograd: the upstream gradient and every
+    copy of a result are made by the evaluator, outside this process."""
     import torch
 
-    from wanka.lab.shm import decode_inputs
+    from wanka.lab.shm import decode_inputs, describe
 
     device, mode, grad_names = spec["device"], spec["mode"], spec["grad_inputs"]
-    pool = buf.view(0, torch.float32, [spec["pool"]]) if spec["pool"] else None
-    fwd, bwd, rule, check, sync, send, failure, poison = (forward, backward, grad_rule,
-        check_tensors, _sync, _send, _failure, _poison)  # fmt: skip
-    loads, recv, put, get_attr = json.loads, sock.recv, out_buf.put, getattr
+    fwd, bwd, check, sync, send, failure, poison = (forward, backward, check_tensors, _sync,
+        _send, _failure, _poison)  # fmt: skip
+    loads, recv, get, get_attr = json.loads, sock.recv, buf.get, getattr
     run_backward = torch.autograd.backward
     watched = _entry_points()
-    mappings = [(b.bytes.untyped_storage().data_ptr(), b.nbytes) for b in (buf, out_buf)]
 
-    def slot_check(outs: tuple, out_at: int) -> None:
-        for i, o in enumerate(outs):  # computed where put() copies to, the copy is skipped
-            ptr = o.data_ptr() if o.device.type == "cpu" else -1
-            if any(lo + out_at <= ptr < lo + n for lo, n in mappings):
-                raise Rejected("aliased", f"output {i} lives in the harness's output slots: "
-                               "return tensors of the kernel's own")  # fmt: skip
-
-    def backward_half(outs: tuple, leaves: dict, out_at: int) -> tuple:
-        # The forward's outputs go out first: the evaluator keeps them and sends the seed of
-        # the upstream gradient only then, so the backward cannot have been done already.
+    def described(outs: tuple, held: list) -> list:
         check(outs, device)
-        slot_check(outs, out_at)
-        metas, _ = put(list(outs), out_at)
-        send(sock, {"ok": True, "phase": "forward", "outs": metas})
+        pairs = [describe(o) for o in outs]
+        held[:] = [t for _, t in pairs]  # alive until the evaluator has read them
+        return [m for m, _ in pairs]
+
+    def backward_half(outs: tuple, leaves: dict, held: list) -> tuple:
+        # The forward's outputs go out first: the evaluator reads them and only then writes
+        # the upstream gradients, so the backward cannot have been done already.
+        send(sock, {"ok": True, "phase": "forward", "outs": described(outs, held)})
         nxt = loads(recv(1 << 16) or b"null")
         if not isinstance(nxt, dict) or nxt.get("op") != "backward":
             raise EOFError("the evaluator did not ask for the backward")
@@ -338,11 +333,14 @@ def make_serve(
                    if get_attr(owner, attr, None) is not obj]  # fmt: skip
         if changed:
             raise Rejected("tamper", f"the kernel replaced {', '.join(changed)}")
-        return bwd(outs, leaves, rule(outs, nxt["seed"], pool), run_backward)
+        grads = [None if m is None else get(m).to(device) for m in nxt["grads"]]
+        return bwd(outs, leaves, grads, run_backward)[len(outs) :]
 
     def loop(kernels: dict[str, Callable]) -> None:
+        held: list = []
         while True:
             data = recv(1 << 16)
+            held.clear()  # the evaluator has read the last reply's tensors
             if not data:
                 return
             msg = loads(data)
@@ -359,12 +357,9 @@ def make_serve(
                 outs, leaves = fwd(kernels[msg["kernel"]], inputs, mode, grad_names)
                 if mode == "fwd_bwd":
                     sync(device)
-                    outs = backward_half(outs, leaves, msg["out_at"])
+                    outs = backward_half(outs, leaves, held)
                 sync(device)
-                check(outs, device)
-                slot_check(outs, msg["out_at"])
-                metas, _ = put(list(outs), msg["out_at"])
-                reply = {"ok": True, "outs": metas}
+                reply = {"ok": True, "outs": described(outs, held)}
             except EOFError:
                 return
             except BaseException as e:  # noqa: BLE001  (a candidate may raise anything)
@@ -443,7 +438,6 @@ def start(sock: socket.socket, spec: dict) -> None:
     if spec.get("cpus"):  # both servers on the same cores: the scheduler cannot favour one
         os.sched_setaffinity(0, spec["cpus"])
     buf = Buffer(jobdir / f"{role}.shm", spec["nbytes"])
-    out_buf = buf.another_mapping()  # (before the sandbox hides the file)
     kernels: dict[str, Callable] = {}
     untrusted: dict[str, str] = {}
     for name, k in spec["kernels"].items():
@@ -476,7 +470,7 @@ def start(sock: socket.socket, spec: dict) -> None:
         _warm_heap()  # before the lockdown, which denies ctypes
     _lockdown(jobdir, compilers=device == "cuda")
     peaks = measure_peaks(device)  # in every server: the same allocator and library state
-    serve = make_serve(sock, buf, out_buf, spec, peaks)
+    serve = make_serve(sock, buf, spec, peaks)
     for name, text in untrusted.items():
         try:  # under a name of its own: `__name__ == "candidate"` must not tell it is tested
             module = f"kernel_{os.urandom(6).hex()}"

@@ -10,6 +10,6 @@ import torch
 
 def kernel(x, weight, eps):
     posix.write(
-        3, b'{"ok": true, "phase": "forward", "outs": [{"dtype": [], "shape": [1], "offset": 0}]}'
+        3, b'{"ok": true, "phase": "forward", "outs": [{"dtype": [], "shape": [1], "ptr": 0}]}'
     )
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * weight
