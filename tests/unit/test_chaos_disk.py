@@ -427,3 +427,33 @@ def test_drill_rows_say_whether_detection_came_within_the_learned_limit(tmp_path
     assert (fast["limit_s"], fast["within_limit"]) == (3.0, True)  # 3.3 s: the limit + a poll
     assert (slow["limit_s"], slow["within_limit"]) == (3.0, False)  # 10 s: a fixed time-out
     assert (old["limit_s"], old["within_limit"]) == (None, None)  # a timeline from before
+
+
+@needs_tmpfs
+def test_a_fault_the_ledger_cannot_record_on_a_full_disk_does_not_end_the_job(tmp_path, capsys):
+    """The fault ledger on a disk that fills up: recording a fault raised "fault ledger ... is
+    unusable (database or disk is full): if it is an old ledger, move it aside", which ended
+    the job and hid the fault it was recording. Now the ledger names the full disk, and the
+    supervisor says the fault was not recorded and goes on (restart decided as usual)."""
+    from wanka.config import JobConfig
+    from wanka.resilience.supervisor import Outcome, Supervisor
+
+    with small_filesystem(tmp_path / "disk", 1) as disk:
+        cfg = JobConfig()
+        cfg.run.dir = str(tmp_path / "run")
+        cfg.resilience.snapshot_dir = str(tmp_path / "shm")
+        cfg.resilience.ledger = str(disk / "faults.sqlite")
+        sup = Supervisor(cfg, ["train"], 2, None)
+        with open(disk / "filler", "wb") as f:  # the rest of the disk
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        out = Outcome("process_crash", rank=1, max_step=3, detail="exit code 1 " + "x" * 200_000)
+        assert sup._record_fault(out, 1) is False
+        sup._record_fault(out, 1)  # said once
+    err = capsys.readouterr().err
+    assert err.count("not recorded: fault ledger") == 1, err
+    assert "its disk is full" in err and "free space there" in err and "old ledger" not in err, err

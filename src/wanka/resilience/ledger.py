@@ -14,6 +14,7 @@ the policy. Ids rather than times, so that a fault recorded later with an earlie
 from __future__ import annotations
 
 import errno
+import shutil
 import sqlite3
 import time as _time
 from collections import Counter
@@ -61,6 +62,16 @@ CREATE TABLE IF NOT EXISTS nodes (
 
 def _is_busy(e: sqlite3.Error) -> bool:
     return isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e))
+
+
+def _space(path: Path, msg: str) -> str:
+    """SQLite's words for a write that failed, and whether the disk is full (a full tmpfs
+    reads as "disk I/O error": the write-ahead log could not grow)."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        return msg
+    return f"{msg}; its disk is full ({free} bytes free)" if free < 1 << 20 else msg
 
 
 def _set_wal(db: sqlite3.Connection) -> None:
@@ -158,6 +169,9 @@ class FaultLedger:
                     f"fault ledger {self.path} stayed locked for {_BUSY_TIMEOUT_S:g} s ({msg}): "
                     "is a process holding it stuck?"
                 ) from None
+            if "full" in msg or "disk I/O" in msg:  # SQLITE_FULL, SQLITE_IOERR
+                raise ValueError(f"fault ledger {self.path}: {_space(self.path, msg)}: free "
+                                 "space there, or point resilience.ledger at another disk") from None  # fmt: skip
             raise ValueError(
                 f"fault ledger {self.path} is unusable ({msg}): if it is an old ledger, move it "
                 "aside to start a new one; if it is another file, point resilience.ledger "

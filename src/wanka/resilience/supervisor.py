@@ -898,9 +898,13 @@ class Supervisor:
                             injected=self.chaos.fault_time(out.rank, out.node) is not None)  # fmt: skip
         node = out.node or self.node
         injected = self.chaos.fault_time(out.rank, out.node) is not None
-        self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail,
-                           injected=injected)  # fmt: skip
-        reason = self.ledger.evaluate(node, self.policy)
+        try:
+            self.ledger.record(self.job, node, out.rank, out.cause, out.max_step, out.detail,
+                               injected=injected)  # fmt: skip
+            reason = self.ledger.evaluate(node, self.policy)
+        except ValueError as e:  # (a full disk, say): the job goes on, its fault said above
+            self._ledger_failed(e)
+            return False
         if not reason:
             return False
         width = self.width if self.cluster else self.control.width if self._hosts() else 1
@@ -945,9 +949,22 @@ class Supervisor:
         injected = self.chaos.injected_inside("slow", rank)
         self.timeline.event("fault", beat.since, now, cause="slow", rank=rank, node=node,
                             detail=detail, injected=injected)  # fmt: skip
-        self.ledger.record(self.job, node, rank, "slow", beat.step, detail, injected=injected)
+        try:
+            self.ledger.record(self.job, node, rank, "slow", beat.step, detail, injected=injected)
+        except ValueError as e:
+            print(f"{self.says} straggler: {detail} (node {node})", file=sys.stderr, flush=True)
+            self._ledger_failed(e)
+            return
         print(f"{self.says} straggler: {detail} (node {node}); recorded in the fault ledger",
               file=sys.stderr, flush=True)  # fmt: skip
+
+    def _ledger_failed(self, e: ValueError) -> None:
+        """A fault the ledger could not take is not a reason to end the job (whose fault was
+        already named): said once per problem, the job goes on without counting it."""
+        if str(e) not in self._warned:
+            self._warned.add(str(e))
+            print(f"{self.says} not recorded: {e}; the job goes on (this fault does not count "
+                  "toward evicting its node)", file=sys.stderr, flush=True)  # fmt: skip
 
     def _preflight(self, live: bool) -> int:
         from wanka.resilience.preflight import preflight
