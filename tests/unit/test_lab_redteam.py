@@ -72,6 +72,7 @@ class Attack:
     api_key_in_env: bool = False  # the lab's environment holds an LLM API key for this one
     flag: str | None = None  # the verdict must be a rejection with this flag (a gain too small
     # for INFLATED to tell from noise)
+    isolate: bool | None = None  # False: run without the sandbox (rlimits, audit hook, seccomp)
 
 
 ATTACKS = {
@@ -160,6 +161,15 @@ ATTACKS = {
         "x", "fwd_bwd", "frames to the serving loop, then serves every call itself: autograd's "
         "operations for the reference written out by hand, results in tensors of its own "
         "(1.65-1.79x while it could write into output slots)"),
+    "atk_x_zero_dim_overflow": Attack(
+        "x", "fwd_bwd", "a forged description [2**40-1, 2**40-1, 0]: torch.empty's overflow "
+        "escaped evaluate()", flag="protocol"),
+    "atk_x_noiso_fork_helper": Attack(
+        "x", "fwd_bwd", "without the sandbox: a helper forked by _posixsubprocess computes the "
+        "backward outside the process's CPU clock (3.3-4.1x)", isolate=False),
+    "atk_x_noiso_sparse_stderr": Attack(
+        "x", "fwd_bwd", "without the sandbox: a sparse 1 TiB stderr, read whole by the "
+        "evaluator (MemoryError)", isolate=False),
     "atk_x_shut_read": Attack(
         "x", "fwd_bwd", "a forged forward half, then shutdown(SHUT_RD): the evaluator's send "
         "raised BrokenPipeError"),
@@ -325,6 +335,8 @@ def test_attack_is_contained(name, boundary, monkeypatch):
     cfg = NO_POLICY
     if atk.memory_gib is not None:
         cfg = dataclasses.replace(cfg, memory_gib=atk.memory_gib)
+    if atk.isolate is not None:
+        cfg = dataclasses.replace(cfg, isolate=atk.isolate)
     runs = [("policy off", cfg)]
     if atk.policy_too:
         runs.append(("policy on", dataclasses.replace(cfg, static_policy=True)))

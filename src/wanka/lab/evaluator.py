@@ -206,6 +206,11 @@ def evaluate(task: Task, source: str, cfg: EvalConfig = EvalConfig(),
         fb = job.run(checks, sets, timing_shape)
     except Verdict as v:
         fb = v.fb
+    except Exception as e:  # noqa: BLE001  (what a hostile reply provoked ends this one only)
+        import traceback
+
+        fb = Feedback("error", f"the evaluation failed: {type(e).__name__}: {e}"[:2000],
+                      details={"traceback": traceback.format_exc()[-4000:]})  # fmt: skip
     finally:
         job.close()
         shutil.rmtree(jobdir, ignore_errors=True)

@@ -153,6 +153,12 @@ class _ArgCmp(ctypes.Structure):  # struct scmp_arg_cmp
     ]
 
 
+def filter_syscalls(extra: Sequence[str] = ()) -> str | None:
+    """The seccomp filter alone (no root needed: libseccomp sets no-new-privileges), for a
+    candidate that runs without the sandbox. Why it is unavailable, else None."""
+    return _install_seccomp(extra)
+
+
 def _install_seccomp(extra: Sequence[str] = ()) -> str | None:
     """Step 8; returns why libseccomp is unavailable (then nothing is installed), else None."""
     try:

@@ -104,6 +104,16 @@ def cpu_clock(pid: int) -> int:
     return ((~pid) << 3) | 2  # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
 
 
+def _tail(path: Path, nbytes: int = 64 << 10) -> str:
+    """The end of a file a server wrote (it may be huge, or sparse: read the end only)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+            return f.read(nbytes).decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -159,7 +169,7 @@ class Server:
         if code is not None and code > 128:  # the sandbox reports a signal death as 128 + n
             code = 128 - code
         err = self.jobdir / f"{self.role}.err"
-        tail = "\n".join(err.read_text(errors="replace").strip().splitlines()[-12:]) if err.exists() else ""  # fmt: skip
+        tail = "\n".join(_tail(err).strip().splitlines()[-12:])
         why = "killed" if code is None else f"signal {-code}" if code < 0 else f"exit code {code}"
         if "MemoryError" in tail or "bad_alloc" in tail or "memory" in tail.lower():
             why += " (memory limit)"
@@ -256,7 +266,7 @@ class Server:
             if total > self.buf.nbytes:
                 raise ShmError(f"{total} bytes, more than the {self.buf.nbytes} a reply may hold")
             outs = [read_remote(self.host_pid, m, total) for m in metas]
-        except (ShmError, TypeError, KeyError) as e:
+        except (ShmError, TypeError, KeyError, ValueError, RuntimeError, OverflowError) as e:
             raise reject("protocol", f"the {self.role}'s process described its outputs "
                           f"wrongly: {e}") from None  # fmt: skip
         if self.pidfd is not None and select.select([self.pidfd], [], [], 0)[0]:

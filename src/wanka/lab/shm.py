@@ -97,6 +97,8 @@ def parse_description(meta, where: str) -> tuple[torch.dtype, list[int], int]:
         raise ShmError(f"malformed tensor description {str(meta)[:80]!r}")
     if not all(type(d) is int and 0 <= d < 2**40 for d in shape):
         raise ShmError(f"malformed shape {str(shape)[:80]}")
+    if math.prod(max(d, 1) for d in shape) >= 2**40:  # a 0 would hide the rest's overflow
+        raise ShmError(f"malformed shape {str(shape)[:80]}")
     return dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 

@@ -403,14 +403,18 @@ def _warm_heap(pool_bytes: int = 256 << 20) -> None:
 
 
 def _limit(spec: dict) -> None:
-    """Without the sandbox: address space (CPU tasks: CUDA maps far more than it uses) and
-    CPU seconds only."""
+    """Without the sandbox: address space (CPU tasks: CUDA maps far more than it uses), CPU
+    seconds and file size (the sandbox's limits; a sparse 1 TiB stderr once filled the
+    evaluator reading it)."""
     import resource
+
+    from wanka.lab.sandbox import Limits
 
     if spec["memory_bytes"]:
         m = spec["memory_bytes"]
         resource.setrlimit(resource.RLIMIT_AS, (m, m))
     resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 5))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (Limits.file_bytes, Limits.file_bytes))
 
 
 def start(sock: socket.socket, spec: dict) -> None:
@@ -450,11 +454,11 @@ def start(sock: socket.socket, spec: dict) -> None:
             kernels[name] = load_source(Path(k["file"]).read_text(), f"lab_{name}").kernel
         else:
             untrusted[name] = Path(k["file"]).read_text()
+    # memfds hold memory no rlimit counts (RLIMIT_FSIZE caps one, not how many): a CPU kernel
+    # needs none. CUDA's runtime may, so there the memory limit is weaker.
+    deny = ("memfd_create",) if device == "cpu" else ()
     if spec["isolate"]:
         limits = sandbox.Limits(memory_bytes=spec["memory_bytes"], cpu_s=spec["cpu_s"])
-        # memfds hold memory no rlimit counts (RLIMIT_FSIZE caps one, not how many): a CPU
-        # kernel needs none. CUDA's runtime may, so there the memory limit is weaker.
-        deny = ("memfd_create",) if device == "cpu" else ()
         sandbox.enter(hide=spec["hide"], expose=spec["expose"], limits=limits,
                       on_pid=lambda pid: _send(sock, {"pid": pid}),
                       seccomp=spec["seccomp"], deny=deny)  # fmt: skip
@@ -465,7 +469,10 @@ def start(sock: socket.socket, spec: dict) -> None:
     else:
         _limit(spec)
         _send(sock, {"pid": os.getpid()})
-        isolation = {"sandbox": False}
+        # Still no fork or exec: a helper process's CPU time is not this process's, so it
+        # would compute outside the clock (an attacker's helper was credited 3.3-4.1x).
+        why = sandbox.filter_syscalls(deny) if spec["seccomp"] else "not requested"
+        isolation = {"sandbox": False, "seccomp": why or "installed"}
     if device == "cpu":
         _warm_heap()  # before the lockdown, which denies ctypes
     _lockdown(jobdir, compilers=device == "cuda")
