@@ -20,17 +20,33 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import math
 import os
 import secrets
 import sqlite3
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from wanka.lab.evaluator import Feedback
+from wanka.lab.records import (
+    COLUMNS,
+    OLDER,
+    RUN_COLUMNS,
+    RUN_SIGNED,
+    SIGNED,
+    Audit,
+    Record,
+    Run,
+    RunRow,
+    canon,
+    decode_text,
+    parse_record,
+    parse_run_row,
+    sequence_problem,
+    sha256_text,
+)
 from wanka.lab.task import LabError
+
+__all__ = ["OLDER", "Audit", "Record", "Run", "Store", "sha256_text"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -49,105 +65,12 @@ MIGRATIONS = {
     "runs": (("nonce", "TEXT"), ("evals", "INTEGER"), ("head", "INTEGER"), ("mac", "TEXT")),
 }
 # Every stored column of a candidate but its MAC: all of them are signed, as stored.
-SIGNED = ("id", "run_id", "n", "prev", "created", "source", "config", "note", "status",
-          "correct", "time_s", "baseline_s", "reference_s", "speedup", "feedback",
-          "held_out_ok", "held_out_speedup", "held_out", "source_sha256")  # fmt: skip
-COLUMNS = ", ".join((*SIGNED, "mac"))
-RUN_SIGNED = ("id", "task", "proposer", "budget", "created", "finished", "options", "nonce",
-              "evals", "head")  # fmt: skip
-RUN_COLUMNS = ", ".join((*RUN_SIGNED, "mac"))
 KEY_BYTES = 32
 FORMAT = "v2"  # the MAC format of this schema; a MAC of the older format is bare hex
-OLDER = "unverifiable (older format"  # how every reason about an older-format record starts
 OLDER_RUN = f"{OLDER}: its runs and row positions were not signed yet)"
 OLDER_ROW = f"{OLDER}: signed before rows were bound to their run and position)"
 OLDER_UNSIGNED = f"{OLDER}: recorded before history integrity checks)"
 MISSING_MAC = "missing MAC (recorded before history integrity checks, or forged)"
-
-
-def sha256_text(source: str) -> str:
-    """Hex SHA-256 of the exact source text (UTF-8)."""
-    return hashlib.sha256(source.encode("utf-8")).hexdigest()
-
-
-@dataclass(frozen=True)
-class Record:
-    id: int
-    run_id: int
-    n: int
-    created: float
-    source: str
-    config: dict | None
-    note: str
-    status: str
-    correct: bool
-    time_s: float | None
-    baseline_s: float | None
-    reference_s: float | None
-    speedup: float | None
-    feedback: Feedback
-    held_out_ok: bool | None
-    held_out_speedup: float | None
-    source_sha256: str | None = None
-    mac: str | None = None
-    prev: int | None = None  # id of the run's evaluation before this one (None: the first)
-    malformed: str | None = None  # a column of the stored row that had the wrong type
-    raw: tuple = field(default=(), repr=False, compare=False)  # the row as stored
-
-
-@dataclass(frozen=True)
-class Run:
-    id: int
-    task: str
-    proposer: str
-    budget: int
-    created: float
-    finished: float | None
-    options: dict
-
-
-@dataclass(frozen=True)
-class Audit:
-    """A run checked as a whole. problem: why its sequence of evaluations cannot be trusted
-    (a record deleted, duplicated, reordered, moved or altered; its record edited; the older
-    format), None when intact. reasons: per candidate id, why that row fails (None: intact).
-    chain: the run's signed evaluations in order (empty when there is a problem)."""
-
-    problem: str | None
-    reasons: dict[int, str | None]
-    chain: tuple[Record, ...] = ()
-
-    @property
-    def older(self) -> bool:
-        return bool(self.problem and self.problem.startswith(OLDER))
-
-
-@dataclass(frozen=True)
-class _RunRow:  # a run's record as stored, sanitised
-    id: int
-    task: str
-    proposer: str
-    budget: int | None
-    created: float | None
-    finished: float | None
-    options: dict
-    nonce: str | None
-    evals: int  # how many evaluations the run holds
-    head: int | None
-    mac: str | None
-    malformed: str | None
-    raw: tuple
-
-
-class _BadText(bytes):
-    """A TEXT value that is not valid UTF-8 (only an edit outside wanka lab stores one)."""
-
-
-def _text(b: bytes):
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError:
-        return _BadText(b)
 
 
 class Store:
@@ -162,7 +85,7 @@ class Store:
         except FileExistsError:
             pass
         self.db = sqlite3.connect(self.path)
-        self.db.text_factory = _text  # bad UTF-8 in a TEXT column: tampering, not a crash
+        self.db.text_factory = decode_text  # bad UTF-8 in a TEXT column: tampering, not a crash
         self.db.executescript(SCHEMA)
         for table, cols in MIGRATIONS.items():
             have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
@@ -210,17 +133,17 @@ class Store:
         return key
 
     def _hmac(self, body: dict) -> str:
-        canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                           default=_canon)  # fmt: skip
-        return hmac.new(self.key(), canon.encode(), hashlib.sha256).hexdigest()
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          default=canon)  # fmt: skip
+        return hmac.new(self.key(), text.encode(), hashlib.sha256).hexdigest()
 
-    def _mac(self, raw: tuple, run: _RunRow) -> str:
+    def _mac(self, raw: tuple, run: RunRow) -> str:
         """The MAC of a candidate row as stored, bound to its run's identity."""
         body = {"kind": "candidate", "run_nonce": run.nonce, "task": run.task,
                 "row": dict(zip(SIGNED, raw[: len(SIGNED)], strict=True))}  # fmt: skip
         return f"{FORMAT}:{self._hmac(body)}"
 
-    def _run_mac(self, run: _RunRow) -> str:
+    def _run_mac(self, run: RunRow) -> str:
         body = {
             "kind": "run",
             "run": dict(zip(RUN_SIGNED, run.raw[: len(RUN_SIGNED)], strict=True)),
@@ -240,16 +163,16 @@ class Store:
         }  # fmt: skip
         return self._hmac(body)
 
-    def _run_row(self, run_id: int) -> _RunRow | None:
+    def _run_row(self, run_id: int) -> RunRow | None:
         row = self.db.execute(f"SELECT {RUN_COLUMNS} FROM runs WHERE id=?", (run_id,)).fetchone()
-        return None if row is None else _run_row(row)
+        return None if row is None else parse_run_row(row)
 
     def task_of(self, run_id: int) -> str | None:
         """The task of a run (None when there is no such run)."""
         run = self._run_row(run_id)
         return run.task if run else None
 
-    def _sign(self, cand_id: int, run: _RunRow) -> None:
+    def _sign(self, cand_id: int, run: RunRow) -> None:
         """(Re)compute a row's MAC from the row as the DB returns it, so that what is signed
         is exactly what `verify` will later see."""
         mac = self._mac(self.candidate(cand_id).raw, run)
@@ -259,7 +182,7 @@ class Store:
         mac = self._run_mac(self._run_row(run_id))
         self.db.execute("UPDATE runs SET mac=? WHERE id=?", (mac, run_id))
 
-    def _record_problem(self, run: _RunRow | None) -> str | None:
+    def _record_problem(self, run: RunRow | None) -> str | None:
         """Why a run's own record cannot be trusted (None when it can)."""
         if run is None:
             return "its run record is missing from the history"
@@ -277,7 +200,7 @@ class Store:
             return "run record MAC mismatch (the run was edited outside wanka lab)"
         return None
 
-    def _check(self, rec: Record, run: _RunRow | None) -> tuple[str | None, bool]:
+    def _check(self, rec: Record, run: RunRow | None) -> tuple[str | None, bool]:
         """(why the row is not intact or None, whether its MAC holds: it is the run's own
         evaluation at position n, whatever else is wrong with it)."""
         if rec.malformed:
@@ -304,7 +227,7 @@ class Store:
         """None when the row is intact (it is exactly the row its run's process signed,
         where it signed it), else one line saying why it is not. Whether rows are missing
         from its run is `audit`'s question."""
-        if not rec.raw or _record(rec.raw) != rec:
+        if not rec.raw or parse_record(rec.raw) != rec:
             return "record does not match its stored row"
         return self._check(rec, self._run_row(rec.run_id))[0]
 
@@ -319,7 +242,7 @@ class Store:
             reasons[rec.id] = why
             if mac_ok:
                 signed.append(rec)
-        problem = self._record_problem(run) or _sequence_problem(signed, run.evals, run.head)
+        problem = self._record_problem(run) or sequence_problem(signed, run.evals, run.head)
         return Audit(problem, reasons, () if problem else tuple(signed))
 
     # --- runs and candidates ------------------------------------------------------------------
@@ -346,7 +269,7 @@ class Store:
             "AND nonce IS NOT NULL ORDER BY id DESC LIMIT 1", (task, proposer)).fetchone()  # fmt: skip
         return int(row[0]) if row else None
 
-    def _writable(self, run_id: int) -> _RunRow:
+    def _writable(self, run_id: int) -> RunRow:
         """The run's record, refusing one that does not verify: re-signing it would launder
         whatever was done to it."""
         run = self._run_row(run_id)
@@ -440,44 +363,13 @@ class Store:
         rows = self.db.execute(
             f"SELECT {COLUMNS} FROM candidates WHERE run_id=? ORDER BY n, id", (run_id,)
         ).fetchall()
-        return [_record(r) for r in rows]
+        return [parse_record(r) for r in rows]
 
     def candidate(self, cand_id: int) -> Record:
         row = self.db.execute(f"SELECT {COLUMNS} FROM candidates WHERE id=?", (cand_id,)).fetchone()
         if row is None:
             raise KeyError(cand_id)
-        return _record(row)
-
-
-def _sequence_problem(signed: list[Record], count: int, head: int | None) -> str | None:
-    """Why the rows whose MAC holds are not exactly the run's evaluations 1..count, each
-    following the one before (None when they are)."""
-    at: dict[int, list[Record]] = defaultdict(list)
-    for r in signed:
-        at[r.n].append(r)
-    for n in sorted(at):
-        if len(at[n]) > 1:
-            return f"evaluation {n} appears {len(at[n])} times"
-        if not 1 <= n <= count:
-            return (f"evaluation {n} is beyond the {count} its record counts (rows deleted and "
-                    "the run record rolled back)")  # fmt: skip
-    prev = None
-    for n in range(1, count + 1):
-        if n not in at:
-            return (f"evaluation {n} of {count} is missing (deleted, or altered so that it "
-                    "fails its check)")  # fmt: skip
-        if at[n][0].prev != prev:
-            return f"evaluation {n} does not follow evaluation {n - 1}"
-        prev = at[n][0].id
-    if head != prev:
-        return "its last evaluation is not the one its record names"
-    return None
-
-
-def _canon(v):
-    if isinstance(v, bytes):  # a BLOB, or a TEXT value that is not UTF-8
-        return {"bytes": v.hex(), "text": isinstance(v, _BadText)}
-    raise TypeError(f"unexpected {type(v).__name__} in a stored row")
+        return parse_record(row)
 
 
 def _same(a, b: str) -> bool:
@@ -485,100 +377,3 @@ def _same(a, b: str) -> bool:
         return False
     # bytes: compare_digest refuses non-ASCII str, and a forged row may hold anything
     return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode("utf-8", "replace"))
-
-
-def _show(v) -> str:
-    kind = "text that is not UTF-8" if isinstance(v, _BadText) else f"a {type(v).__name__}"
-    return f"{kind} ({repr(v)[:40]})"
-
-
-class _Types:
-    """Reads a stored row's columns into the types the code expects, noting the first that
-    is off (only an edit outside wanka lab stores one) instead of failing later on it."""
-
-    def __init__(self, row: dict):
-        self.row, self.bad = row, None
-
-    def _off(self, name: str, want: str) -> None:
-        if self.bad is None:
-            self.bad = f"column {name} holds {_show(self.row[name])}, not {want}"
-
-    def int(self, name: str, default=None, *, allowed=None, null: bool = True):
-        v = self.row[name]
-        if v is None and null:
-            return None
-        if isinstance(v, int) and not isinstance(v, bool) and (allowed is None or v in allowed):
-            return v
-        self._off(name, "an integer" if allowed is None else f"one of {sorted(allowed)}")
-        return default
-
-    def num(self, name: str):
-        v = self.row[name]
-        if v is None:
-            return None
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-            return float(v)
-        self._off(name, "a finite number")
-        return None
-
-    def str(self, name: str, default=None, *, null: bool = True):
-        v = self.row[name]
-        if isinstance(v, str) or (v is None and null):
-            return v
-        self._off(name, "text")
-        return default
-
-    def json(self, name: str):
-        v = self.str(name)
-        if v is None:
-            return None
-        try:
-            return json.loads(v)
-        except (ValueError, RecursionError):
-            self._off(name, "JSON")
-            return None
-
-
-def _record(r) -> Record:
-    # Tolerant of rows written outside wanka lab: they must still load (and fail `verify`,
-    # with the column that is off) rather than break the report.
-    row = dict(zip((*SIGNED, "mac"), r, strict=True))
-    t = _Types(row)
-    rec = {
-        "id": t.int("id", 0), "run_id": t.int("run_id", 0, null=False),
-        "n": t.int("n", 0, null=False), "prev": t.int("prev"), "source": t.str("source", "", null=False),
-        "config": t.json("config"), "status": t.str("status", "?", null=False),
-        "correct": bool(t.int("correct", 0, allowed={0, 1}, null=False)),
-        "time_s": t.num("time_s"), "baseline_s": t.num("baseline_s"),
-        "reference_s": t.num("reference_s"), "speedup": t.num("speedup"),
-        "held_out_ok": t.int("held_out_ok", 0, allowed={0, 1}),
-        "held_out_speedup": t.num("held_out_speedup"),
-        "source_sha256": t.str("source_sha256"), "mac": t.str("mac"),
-    }  # fmt: skip
-    if rec["held_out_ok"] is not None:
-        rec["held_out_ok"] = bool(rec["held_out_ok"])
-    malformed = t.bad  # the signed columns above; the rest only need to be usable
-    try:
-        fb = Feedback.from_dict(json.loads(row["feedback"]))
-        fb.summary()
-    except Exception:  # noqa: BLE001  (whatever was stored there, the row must load)
-        fb = Feedback("error", "unreadable feedback in the history")
-    created = row["created"] if isinstance(row["created"], int | float) else 0.0
-    note = row["note"] if isinstance(row["note"], str) else ""
-    return Record(**rec, created=created, note=note, feedback=fb, malformed=malformed,
-                  raw=tuple(r))  # fmt: skip
-
-
-def _run_row(r) -> _RunRow:
-    row = dict(zip((*RUN_SIGNED, "mac"), r, strict=True))
-    t = _Types(row)
-    task, proposer = t.str("task", "?", null=False), t.str("proposer", "?", null=False)
-    budget, created, finished = t.int("budget"), t.num("created"), t.num("finished")
-    options = t.json("options")
-    nonce, evals, head, mac = t.str("nonce"), t.int("evals", 0), t.int("head"), t.str("mac")
-    return _RunRow(
-        id=t.int("id", 0), task=task, proposer=proposer, budget=budget, created=created,
-        finished=finished, options=options if isinstance(options, dict) else {},
-        nonce=nonce, evals=evals or 0, head=head, mac=mac, malformed=t.bad,
-        raw=tuple(r),
-    )  # fmt: skip
