@@ -165,6 +165,35 @@ def test_one_token_documents_have_nothing_to_predict(tmp_path, capsys):
     assert main_prepare([str(words)], str(tmp_path / "o"), None, 0.0, 0) == 0
 
 
+def test_symlinked_subfolders_are_read_and_a_loop_is_not_followed(tmp_path, capsys):
+    """A corpus assembled from links (`ln -s /data/wiki corpus/wiki`) lost its linked parts
+    without a word: rglob does not enter symlinked folders. They are read now, each real
+    folder once (a link back up is no loop), and an unreadable folder is named."""
+    docs = _docs(tmp_path, n=10)
+    (tmp_path / "elsewhere").mkdir()
+    elsewhere = _docs(tmp_path / "elsewhere", n=5)
+    (docs / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (docs / "loop").symlink_to(docs, target_is_directory=True)
+    os.mkfifo(docs / "pipe.txt")  # not a file: never opened (reading it would block)
+    assert main_prepare([str(docs)], str(tmp_path / "o"), None, 0.1, 0) == 0
+    s = read_meta(tmp_path / "o")["splits"]
+    assert s["train"]["num_docs"] + s["val"]["num_docs"] == 15
+    (docs / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    assert main_prepare([str(docs)], str(tmp_path / "o3"), None, 0.1, 0) == 2
+    assert "dangling.txt is a link to" in capsys.readouterr().err
+    if os.geteuid() == 0:  # root reads anything: the check below needs another user
+        return
+    locked = docs / "locked"
+    locked.mkdir()
+    (locked / "a.txt").write_text("text " * 100)
+    locked.chmod(0)
+    try:
+        assert main_prepare([str(docs)], str(tmp_path / "o2"), None, 0.1, 0) == 2
+    finally:
+        locked.chmod(0o755)
+    assert "cannot list" in capsys.readouterr().err
+
+
 def test_folders_skip_hidden_files_and_read_a_file_once(tmp_path, capsys):
     docs = _docs(tmp_path, n=30)
     (docs / ".venv" / "lib").mkdir(parents=True)

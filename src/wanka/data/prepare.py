@@ -263,16 +263,41 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
     return docs
 
 
+def _visible_files(folder: Path) -> list[Path]:
+    """Every file below a folder, hidden files and folders left out, symlinked folders
+    followed (a corpus assembled from links must not lose its linked parts silently), each
+    real folder once (a link back up is not a loop)."""
+
+    def unreadable(e: OSError) -> None:
+        raise ValueError(f"cannot list {e.filename} ({e.strerror}): make it readable, or move "
+                         "it out of the data folder") from None  # fmt: skip
+
+    seen: set[tuple[int, int]] = set()
+    out: list[Path] = []
+    for top, dirs, files in os.walk(folder, onerror=unreadable, followlinks=True):
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [Path(top) / f for f in files if not f.startswith(".")]
+    return [f for f in out if f.is_file() or (f.is_symlink() and not f.exists())]
+
+
 def folder_files(folder: Path) -> list[Path]:
     """The .txt and .jsonl files below a folder, sorted; hidden files and folders left out."""
-    return sorted(f for f in folder.rglob("*") if f.suffix.lower() in (".txt", ".jsonl")
-                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))  # fmt: skip
+    found = sorted(f for f in _visible_files(folder) if f.suffix.lower() in (".txt", ".jsonl"))
+    for f in found:
+        if not f.exists():
+            raise ValueError(f"{f} is a link to {os.readlink(f)}, which does not exist: fix "
+                             "or remove the link")  # fmt: skip
+    return found
 
 
 def _other_kinds(folder: Path) -> str:
     """' (it holds 3 .md, 1 .json)': the file kinds a folder holds instead."""
-    kinds = Counter(f.suffix.lower() or "no suffix" for f in folder.rglob("*") if f.is_file()
-                    and not any(p.startswith(".") for p in f.relative_to(folder).parts))  # fmt: skip
+    kinds = Counter(f.suffix.lower() or "no suffix" for f in _visible_files(folder))
     if not kinds:
         return " (it is empty)"
     return " (it holds " + ", ".join(f"{n} {k}" for k, n in kinds.most_common(4)) + ")"
