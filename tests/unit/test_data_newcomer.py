@@ -212,3 +212,27 @@ def test_folders_skip_hidden_files_and_read_a_file_once(tmp_path, capsys):
     assert main_prepare([str(notes)], str(tmp_path / "o2"), None, 0.1, 0) == 2
     err = capsys.readouterr().err
     assert "holds no .txt or .jsonl files (it holds 2 .md, 1 .json)" in err
+
+
+def test_the_split_does_not_depend_on_where_the_corpus_lives_or_how_it_is_typed(
+    tmp_path, monkeypatch
+):
+    """Documents were named by their path as typed, and the train/val split hashes the name:
+    `prepare data`, `prepare ./data` and the same folder on a colleague's machine held out
+    different documents (validation losses not comparable). Names are now the path below the
+    folder given (a file given alone: its own name)."""
+    import shutil
+
+    docs = _docs(tmp_path, n=40)
+    (docs / "sub").mkdir()
+    (docs / "sub" / "x.jsonl").write_text("".join(json.dumps({"text": f"line {i} " * 40}) + "\n"
+                                                  for i in range(12)))  # fmt: skip
+    other = tmp_path / "colleague" / "corpus"
+    shutil.copytree(docs, other)
+    monkeypatch.chdir(tmp_path)
+    vals = []
+    for i, path in enumerate(("docs", "./docs/", str(docs), str(other))):
+        assert main_prepare([path], str(tmp_path / f"o{i}"), None, 0.2, 0) == 0
+        ds = TokenDataset(tmp_path / f"o{i}", "val")
+        vals.append([bytes(ds.doc_tokens(j)) for j in range(ds.num_docs)])
+    assert vals[0] and all(v == vals[0] for v in vals), [len(v) for v in vals]

@@ -232,7 +232,10 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
     not those under hidden folders (.git, .venv) or hidden themselves. A file named twice (a
     folder and a file in it, or two spellings of one path) is read once.
     """
-    files: list[Path] = []
+    # Each file with the name its documents go by (the train/val split hashes it): the path
+    # below the folder given, or the file's own name, so the split does not depend on where
+    # the corpus lives or how its path was typed (./data, data, /home/me/data).
+    files: list[tuple[Path, str]] = []
     for p in map(Path, paths):
         if p.is_dir():
             found = folder_files(p)
@@ -240,19 +243,19 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
                 raise ValueError(f"{p} holds no .txt or .jsonl files{_other_kinds(p)}: wanka "
                                  "reads .txt (a document per file) and .jsonl ({\"text\": ...} "
                                  "per line)")  # fmt: skip
-            files += found
+            files += [(f, f.relative_to(p).as_posix()) for f in found]
         elif not p.is_file():
             raise ValueError(f"input not found: {p}")
         elif p.suffix.lower() not in (".txt", ".jsonl"):
             raise ValueError(f"unsupported input {p}: expected .txt or .jsonl")
         else:
-            files.append(p)
+            files.append((p, p.name))
     seen: set[Path] = set()
-    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+    files = [(f, n) for f, n in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     docs = []
-    for f in files:
+    for f, name in files:
         try:
-            docs += _read_documents(f)
+            docs += _read_documents(f, name)
         except UnicodeDecodeError as e:
             if e.object[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark
                 raise ValueError(f"{f} is UTF-16 text: convert it, e.g. `iconv -f UTF-16 -t "
@@ -317,10 +320,10 @@ def input_sources(paths: Sequence[str]) -> list:
     return out
 
 
-def _read_documents(f: Path) -> list[Document]:
+def _read_documents(f: Path, name: str) -> list[Document]:
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text.
     if f.suffix.lower() == ".txt":
-        return [Document(str(f), f.read_text(encoding="utf-8-sig"))]
+        return [Document(name, f.read_text(encoding="utf-8-sig"))]
     docs = []
     with open(f, encoding="utf-8-sig") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -340,7 +343,7 @@ def _read_documents(f: Path) -> list[Document]:
                 raise ValueError(f"{f}:{lineno}: the \"text\" holds an unpaired surrogate "
                                  f"({text[e.start]!r} at character {e.start}), which is not "
                                  "Unicode: fix the program that wrote it, or drop the line") from None  # fmt: skip
-            docs.append(Document(f"{f}:{lineno}", text))
+            docs.append(Document(f"{name}:{lineno}", text))
     return docs
 
 
