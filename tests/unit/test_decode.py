@@ -361,3 +361,32 @@ def test_rows_shorter_than_the_draft_steps_score_nothing_and_keep_the_graph():
     assert all(x.requires_grad for x, _ in parts.draft_kl)
     total.backward()
     assert model.mtp[0].proj.weight.grad is not None
+
+
+def test_ids_the_tokenizer_cannot_decode_are_never_chosen():
+    """A model whose vocab_size was rounded up past its tokenizer's (training suggests it)
+    chose ids the tokenizer cannot decode: `wanka generate` crashed mid-stream (byte
+    tokenizer) or dropped them silently (HF). With the tokenizer's size given, greedy,
+    sampled and speculative decoding keep below it."""
+    model = constant_model()
+    with torch.no_grad():
+        model.output.bias.zero_()
+        model.output.bias[200] = 50.0  # the model's favourite: past a 128-token tokenizer
+        model.output.bias[:128] = torch.linspace(0, 5, 128)
+    prompt = [[1, 2, 3]]
+    assert Generator(model).generate(prompt, 4)[0] == [200] * 4  # what it would choose
+    for sampling, speculate in ((Sampling(), 0), (Sampling(0.9, 0.95), 0), (Sampling(), 2),
+                                (Sampling(1.2), 2)):  # fmt: skip
+        out = Generator(model, sampling, speculate, seed=3, vocab=128).generate(prompt, 6)[0]
+        assert out and max(out) < 128, (sampling, speculate, out)
+
+
+def test_a_temperature_or_top_p_below_float32_range_is_greedy_not_a_crash():
+    """--temperature 1e-300 and --top-p 1e-300 are 0 in fp32: 0/0 at the argmax, or every
+    token cut; torch.multinomial then raised "probability tensor contains inf, nan"."""
+    from wanka.infer.sampling import probabilities
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    greedy = torch.tensor([[0.0, 1.0, 0.0, 0.0]])
+    for s in (Sampling(1e-300), Sampling(1e-40), Sampling(1.0, 1e-300), Sampling(0.7, 1e-300)):
+        assert torch.equal(probabilities(logits, s), greedy), s

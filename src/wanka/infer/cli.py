@@ -109,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
     except UnicodeError as e:  # e.g. a --prompt argument that is not valid UTF-8
         raise ValueError(f"a prompt is not valid text ({e.reason}): pass UTF-8 text") from None
     # Every prompt checked before any text is printed: not a failure after half the batches.
-    check = Generator(model, sampling, args.speculate, args.seed, args.eos)
+    check = Generator(model, sampling, args.speculate, args.seed, args.eos, tok.vocab_size)
     for n, ids in enumerate(encoded):
         try:
             check.check([ids], args.max_new_tokens)
@@ -150,7 +150,9 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
     for first in range(0, len(prompts), args.batch_size):
         batch = prompts[first : first + args.batch_size]
         ids = encoded[first : first + args.batch_size]
-        gen = Generator(model, sampling, args.speculate, args.seed + first, args.eos)
+        gen = Generator(
+            model, sampling, args.speculate, args.seed + first, args.eos, tok.vocab_size
+        )
         printer = _Streamer(tok, batch[0]) if stream else None
         out = gen.generate(ids, args.max_new_tokens, printer)
         if printer is not None:

@@ -63,11 +63,15 @@ def mean_acceptance_length(stats: list[DecodeStats]) -> float | None:
 
 class Generator:
     def __init__(self, model: Transformer, sampling: Sampling | None = None, speculate: int = 0,
-                 seed: int = 0, eos: int | None = None) -> None:  # fmt: skip
+                 seed: int = 0, eos: int | None = None, vocab: int | None = None) -> None:  # fmt: skip
+        """vocab: how many token ids the tokenizer decodes, when fewer than the model's
+        (vocab_size rounded up past the tokenizer's, as training allows): ids beyond it are
+        never chosen (they decode to nothing, or not at all)."""
         if speculate and not len(model.mtp):
             raise ValueError("speculation needs the model's MTP module: this model has "
                              "mtp_depth = 0; decode without --speculate")  # fmt: skip
         self.model, self.speculate, self.eos = model, speculate, eos
+        self.vocab = vocab if vocab is not None and vocab < model.cfg.vocab_size else None
         self.sampling = sampling or Sampling()
         self.gen = torch.Generator(device=model.tok_embeddings.weight.device).manual_seed(seed)
         self.device = model.tok_embeddings.weight.device
@@ -224,6 +228,9 @@ class Generator:
         if not bool(torch.isfinite(logits).all()):
             raise NonFiniteLogits(f"the {whose} logits are not finite at {where}: its weights "
                                   "hold NaN/Inf (check the checkpoint)")  # fmt: skip
+        if self.vocab is not None:
+            logits = logits.clone()
+            logits[..., self.vocab :] = float("-inf")
         return probabilities(logits, self.sampling)
 
     def _forward(self, cache: KVCache, start: int, tokens: torch.Tensor, positions: torch.Tensor):

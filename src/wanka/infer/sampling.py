@@ -29,7 +29,9 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below float32's smallest normal number a temperature is 0 in the fp32 arithmetic
+        # below (0 / 0 at the argmax): it means greedy anyway.
+        return self.temperature < torch.finfo(torch.float32).tiny
 
 
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -43,7 +45,9 @@ def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
-        sorted_p = sorted_p.masked_fill(before >= sampling.top_p, 0.0)
+        cut = before >= sampling.top_p
+        cut[..., 0] = False  # the most likely token always stays (a top_p of 1e-300 is 0 here)
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs

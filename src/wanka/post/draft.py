@@ -121,7 +121,8 @@ def held_out_acceptance(job: PostJob) -> dict[str, float]:
         if not chunk:
             continue
         gen = Generator(job.rollout.model, Sampling(p.temperature, p.top_p),
-                        speculate=p.speculate, seed=1000 * job.rank + r)  # fmt: skip
+                        speculate=p.speculate, seed=1000 * job.rank + r,
+                        vocab=job.tokenizer.vocab_size)  # fmt: skip
         outs = gen.generate([job.encode(x.text) for x in chunk], p.completion_tokens)
         drafted = [a + b for a, b in zip(drafted, gen.stats.drafted)]
         accepted = [a + b for a, b in zip(accepted, gen.stats.accepted)]

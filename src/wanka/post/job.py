@@ -101,7 +101,8 @@ class PostJob:
         its own seed, so that no two ranks draw the same continuations."""
         p = self.cfg.post
         gen = Generator(self.rollout.model, Sampling(p.temperature, p.top_p),
-                        seed=hash((self.cfg.train.seed, step, self.rank, salt)) % 2**31)  # fmt: skip
+                        seed=hash((self.cfg.train.seed, step, self.rank, salt)) % 2**31,
+                        vocab=self.tokenizer.vocab_size)  # fmt: skip
         return gen.generate(prompts, p.completion_tokens)
 
     def train_state(self) -> dict:

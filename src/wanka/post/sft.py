@@ -59,7 +59,12 @@ class TeacherSamples:
             if not rows:
                 continue
             seed = hash((job.cfg.train.seed, step, job.rank, i)) % 2**31
-            gen = Generator(copy.model, Sampling(p.temperature, p.top_p), seed=seed)
+            gen = Generator(
+                copy.model,
+                Sampling(p.temperature, p.top_p),
+                seed=seed,
+                vocab=job.tokenizer.vocab_size,
+            )
             for j, completion in zip(rows, gen.generate([tokens[j] for j in rows],
                                                         p.completion_tokens)):  # fmt: skip
                 out[j] = completion or [0]
