@@ -236,3 +236,56 @@ def test_the_split_does_not_depend_on_where_the_corpus_lives_or_how_it_is_typed(
         ds = TokenDataset(tmp_path / f"o{i}", "val")
         vals.append([bytes(ds.doc_tokens(j)) for j in range(ds.num_docs)])
     assert vals[0] and all(v == vals[0] for v in vals), [len(v) for v in vals]
+
+
+def test_a_run_records_the_tokenizer_its_data_was_prepared_with(tmp_path):
+    """`data prepare --tokenizer tok.json` then `train --set data.path=...` saved
+    data.tokenizer = "byte" in the run's config, which generate, export and post-training
+    read: they decoded the ids as bytes. The data's tokenizer is adopted now; a different one
+    named, or the data's file gone or changed, is one line."""
+    import shutil
+
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from wanka.config import JobConfig
+    from wanka.data.prepare import prepare_documents
+    from wanka.data.tokenizer import load_tokenizer
+    from wanka.train.trainer import adopt_dataset_tokenizer
+
+    def word_tokenizer(path: Path, words: list[str]) -> Path:
+        hf = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+        path.mkdir(parents=True)
+        hf.save(str(path / "tokenizer.json"))
+        return path / "tokenizer.json"
+
+    corpus = ["the cat sat on the mat", "a dog ate the bone", "the end"] * 4
+    tok = word_tokenizer(tmp_path / "tok", corpus)
+    docs = [Document(f"d{i}", t) for i, t in enumerate(corpus)]
+    data = prepare_documents(docs, tmp_path / "ds", load_tokenizer(str(tok)), val_fraction=0.25)
+
+    def cfg_for(tokenizer: str, path: Path = data) -> JobConfig:
+        cfg = JobConfig()
+        cfg.data.path, cfg.data.tokenizer = str(path), tokenizer
+        return cfg
+
+    cfg = cfg_for("byte")  # the default
+    adopt_dataset_tokenizer(cfg)
+    assert cfg.data.tokenizer == str(tok.resolve())
+    copy = tmp_path / "copy" / "tokenizer.json"  # the same file elsewhere: kept as given
+    copy.parent.mkdir()
+    shutil.copy(tok, copy)
+    cfg = cfg_for(str(copy))
+    adopt_dataset_tokenizer(cfg)
+    assert cfg.data.tokenizer == str(copy)
+    other = word_tokenizer(tmp_path / "other", ["completely different words here"])
+    with pytest.raises(ValueError, match="is not the tokenizer .* was prepared with"):
+        adopt_dataset_tokenizer(cfg_for(str(other)))
+    tok.write_text(other.read_text())  # the data's tokenizer changed since
+    with pytest.raises(ValueError, match="gone or has changed since"):
+        adopt_dataset_tokenizer(cfg_for("byte"))
+    byte_data = prepare_documents(docs, tmp_path / "bytes", load_tokenizer(None), val_fraction=0.25)
+    with pytest.raises(ValueError, match="is not the tokenizer"):
+        adopt_dataset_tokenizer(cfg_for(str(copy), byte_data))

@@ -187,6 +187,7 @@ def check_data(cfg: JobConfig, world_size: int) -> None:
         _cp_cost(cfg)  # a missing or foreign cost file: one line here, not one per rank
     path = _dataset_path(cfg, rank=0)
     train = TokenDataset(path, "train")
+    adopt_dataset_tokenizer(cfg)
     check_vocab(train.vocab_size, cfg.model.vocab_size)
     if train.num_tokens <= train.num_docs:  # prepared before `data prepare` refused this
         raise ValueError(f"{path}: {NO_TARGETS}")
@@ -196,6 +197,41 @@ def check_data(cfg: JobConfig, world_size: int) -> None:
     # One row is enough to fail an empty val split (smaller ones are read round-robin); a
     # typo'd micro_batch_size must not fill this process's memory before the ranks start.
     validation_batches(TokenDataset(path, "val"), cfg.data.seq_len, 1, 1, 0, world_size)
+
+
+def adopt_dataset_tokenizer(cfg: JobConfig) -> None:
+    """data.tokenizer := the tokenizer a prepared data.path was made with. The run's config
+    is what `wanka generate`, export and post-training encode and decode with: left at
+    "byte" for data prepared with tokenizer.json, they decoded its ids as bytes (garbage, or
+    a crash) and a distillation accepted a teacher of another tokenizer. A data.tokenizer
+    that names another tokenizer than the data's is refused."""
+    if cfg.data.path == "builtin":
+        return
+    from wanka.data.prepare import read_meta
+    from wanka.data.tokenizer import load_tokenizer
+
+    made_with = read_meta(cfg.data.path).get("tokenizer") or {}
+    name, spec = made_with.get("name"), made_with.get("spec") or "byte"
+    if not isinstance(name, str):
+        return  # nothing recorded to go by
+    given = cfg.data.tokenizer
+    if given != "byte":  # named: it must be the data's (the same file, wherever it is)
+        if load_tokenizer(given).name != name:
+            raise ValueError(f"data.tokenizer={given} is not the tokenizer {cfg.data.path} was "
+                             f"prepared with ({spec}): drop data.tokenizer (the data's is "
+                             "used), or prepare the data again with it")  # fmt: skip
+        return
+    if name == "byte":
+        return
+    try:
+        same = load_tokenizer(spec).name == name
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"{cfg.data.path} was prepared with the tokenizer {spec}, which is gone "
+                         "or has changed since: set data.tokenizer to a copy of the "
+                         "tokenizer.json it was prepared with")  # fmt: skip
+    cfg.data.tokenizer = spec
 
 
 def check_vocab(data_vocab: int, model_vocab: int) -> None:
@@ -419,6 +455,7 @@ def _run(cfg: JobConfig) -> dict:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
+        adopt_dataset_tokenizer(cfg)
         save_run_config(job.run_dir, cfg)
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
