@@ -32,6 +32,7 @@ from wanka.bench import comm_report as report
 from wanka.bench.comm_cases import Case
 from wanka.bench.comm_counters import CounterSampler, delta, read_sent, window_per_step
 from wanka.bench.comm_run import RunFailed, median, read_metrics, run_sets, run_train, train_argv
+from wanka.bench.output import write_out
 
 # Short sequences and few rows: compute per step small next to the model's bytes, so the link
 # shows in step time on a 2-core machine as it would next to accelerators.
@@ -184,10 +185,9 @@ def run_bench(cases: list[Case], opts: dict) -> dict:
 
 
 def write(doc: dict, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_out(out, json.dumps(doc, indent=1))
     md = out.with_suffix(".md") if out.suffix != ".md" else out.with_suffix(".table.md")
-    md.write_text(report.markdown(doc) + "\n")
+    write_out(md, report.markdown(doc) + "\n")
     return md
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from wanka.bench import cp_report as report
+from wanka.bench.output import write_out
 from wanka.distributed.cp_cost import CostModel, load_cost
 
 SEQ_LENS = (8192, 16384, 32768)
@@ -127,10 +128,9 @@ def _check_seq_lens(seq_lens: tuple[int, ...], cp: int) -> None:
 
 
 def _write(doc: dict, table: str, out: Path, plot) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_out(out, json.dumps(doc, indent=1))
     md = out.with_suffix(".md") if out.suffix != ".md" else out.with_suffix(".table.md")
-    md.write_text(table + "\n\n" + "\n".join(f"- {n}" for n in doc["notes"]) + "\n")
+    write_out(md, table + "\n\n" + "\n".join(f"- {n}" for n in doc["notes"]) + "\n")
     png = out.with_suffix(".png")
     plot(png)
     print(table)

@@ -17,6 +17,8 @@ import math
 import time
 from pathlib import Path
 
+from wanka.bench.output import check_out, write_out
+
 
 def add_bench_decode_parser(b) -> None:
     d = b.add_parser("decode", help="decoding tokens/s, latency and MTP acceptance of a "
@@ -166,18 +168,6 @@ def _int_list(flag: str, text: str, example: str) -> list[int]:
     return [int(x) for x in items]
 
 
-def _check_out(out: Path) -> None:
-    """Before the benchmark runs, not after: --out must be a file we can write."""
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a directory: pass a file path, e.g. --out "
-                         f"{out / 'decode.json'}")  # fmt: skip
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot create its directory {out.parent} "
-                         f"({e.strerror}): pass another --out") from None  # fmt: skip
-
-
 def _check_lengths(args: argparse.Namespace, max_seq_len: int) -> None:
     """The longest row a case decodes (prompt, new tokens, the drafts beyond them) against
     the model, named by the flags that set it."""
@@ -202,7 +192,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p {args.top_p}: the nucleus mass is in (0, 1]")
     out = Path(args.out)
-    _check_out(out)
+    check_out(out)
     import torch
 
     from wanka.infer.load import load_trained
@@ -264,7 +254,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
               f"with DSA, x{result['dense_step_growth']} dense")  # fmt: skip
     for case in result["cases"]:
         case["outputs"] = [len(o) for o in case.pop("outputs")]  # lengths only in the JSON
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_out(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from wanka.bench.output import write_out
+
 VARIANTS = {"flat": {}, "hierarchical": {"hierarchical": True}, "overlap": {"overlap": True}}
 MODEL = {"dim": 256, "n_layers": 3, "n_dense_layers": 1, "n_heads": 4, "head_dim": 64,
          "n_experts": 16, "n_active_experts": 4, "expert_hidden": 256, "n_shared_experts": 2,
@@ -196,7 +198,7 @@ def bench_ep_main(out: Path, gbits: list[float], quick: bool) -> int:
                 keep.write_bytes(trace.read_bytes())
                 res[name]["trace"] = str(keep)
             doc["links"].append({"gbit": gbit, "variants": res})
-    out.write_text(json.dumps(doc, indent=1))
+    write_out(out, json.dumps(doc, indent=1))
     print(table(doc))
     print(f"wrote {out}")
     return 0

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wanka.bench.output import write_out
+
 MIB = 1024**2
 # glibc serves allocations above its mmap threshold with mmap and returns them on free, below it
 # from heaps that keep freed memory. The threshold starts at 128 KiB but rises to the size of
@@ -366,10 +368,9 @@ def reestimate(out: Path) -> dict[str, Any]:
 
 
 def _write(out: Path, result: dict[str, Any]) -> str:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_out(out, json.dumps(result, indent=2))
     table = format_table(result["cases"])
-    out.with_suffix(".md").write_text(table + "\n")
+    write_out(out.with_suffix(".md"), table + "\n")
     return table
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from wanka.bench.output import write_out
 from wanka.config.schema import ModelConfig
 from wanka.models.moe import MoE
 from wanka.ops import registry
@@ -163,11 +164,10 @@ def bench_moe_main(
                     "torch_threads": torch.get_num_threads()},
         "torch": torch.__version__, "quick": quick, "shape": shape, "rows": rows,
     }  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
+    write_out(out, json.dumps(doc, indent=2))
     table = markdown(rows)
     md = out.with_suffix(".md") if out.suffix != ".md" else out.with_suffix(".table.md")
-    md.write_text(table + "\n")
+    write_out(md, table + "\n")
     print(table)
     print(f"wrote {out} and {md}")
     bad = [r for r in rows if max(r["max_rel_diff"].values()) > REL_TOL]
