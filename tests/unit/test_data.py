@@ -327,6 +327,12 @@ def test_resume_equals_uninterrupted(dataset_dir: Path) -> None:
         assert_batches_equal(resumed.next_batch(), exp)
     with pytest.raises(ValueError, match="seed"):
         PackedLoader(ds, SEQ, 3, 0, 1, seed=6).load_state_dict(state)
+    # The dataset prepared again (an edited file: the same window count, other text there).
+    edited = {**state, "data_tokens": state["data_tokens"] + 20}
+    with pytest.raises(ValueError, match="changed since the checkpoint"):
+        PackedLoader(ds, SEQ, 3, 0, 1, seed=5).load_state_dict(edited)
+    older = {k: v for k, v in state.items() if not k.startswith("data_")}
+    PackedLoader(ds, SEQ, 3, 0, 1, seed=5).load_state_dict(older)  # not recorded: not checked
 
 
 def test_resume_dp2_checkpoint_with_dp1(dataset_dir: Path) -> None:

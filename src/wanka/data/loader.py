@@ -141,6 +141,10 @@ class PackedLoader:
             "seed": self.seed,
             "seq_len": self.seq_len,
             "windows_per_epoch": self.windows_per_epoch,
+            # A dataset prepared again from edited files often keeps its window count, and
+            # the loader's position then means other text.
+            "data_docs": int(self.dataset.num_docs),
+            "data_tokens": int(self.dataset.num_tokens),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -152,6 +156,15 @@ class PackedLoader:
                     "train.seed): resume with the settings it was saved with, or start a new "
                     "run.dir from its weights with checkpoint.init_weights"
                 )
+        d0, t0 = state.get("data_docs"), state.get("data_tokens")  # (older: not recorded)
+        d1, t1 = int(self.dataset.num_docs), int(self.dataset.num_tokens)
+        if d0 is not None and (d0, t0) != (d1, t1):
+            raise ValueError(
+                f"the {self.dataset.split} split of {self.dataset.path} changed since the "
+                f"checkpoint ({d0} documents / {t0} tokens then, {d1} / {t1} now: prepared "
+                "again?): resume on the data it was trained on, or start a new run.dir from "
+                "its weights with checkpoint.init_weights"
+            )
         self.epoch = int(state["epoch"])
         self.window = int(state["window"])
 
