@@ -289,3 +289,24 @@ def test_a_run_records_the_tokenizer_its_data_was_prepared_with(tmp_path):
     byte_data = prepare_documents(docs, tmp_path / "bytes", load_tokenizer(None), val_fraction=0.25)
     with pytest.raises(ValueError, match="is not the tokenizer"):
         adopt_dataset_tokenizer(cfg_for(str(copy), byte_data))
+
+
+def test_nul_bytes_a_wrong_field_name_and_a_too_small_corpus_say_what_to_do(tmp_path, capsys):
+    """UTF-16 without a byte-order mark is ASCII plus NULs: it was prepared as text (NUL
+    tokens in the data). A .jsonl with {"content": ...} did not say which fields it had. A
+    corpus whose half is below one window was told to raise --val-fraction, which cannot
+    help (validation holds at most half the text)."""
+    docs = _docs(tmp_path, n=4)
+    (docs / "utf16.txt").write_bytes("hello world".encode("utf-16-le"))
+    assert main_prepare([str(docs)], str(tmp_path / "o"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err
+    assert "utf16.txt holds NUL bytes" in err and "iconv" in err and len(err.splitlines()) == 1
+    (docs / "utf16.txt").unlink()
+    (docs / "rows.jsonl").write_text(json.dumps({"content": "x", "id": 3}) + "\n")
+    assert main_prepare([str(docs)], str(tmp_path / "o"), None, 0.1, 0) == 2
+    assert "this one has content, id" in capsys.readouterr().err
+    (docs / "rows.jsonl").unlink()
+    assert main_prepare([str(docs)], str(tmp_path / "o"), None, 0.5, 0) == 0
+    total = sum(TokenDataset(tmp_path / "o", s).num_tokens for s in ("train", "val"))
+    with pytest.raises(ValueError, match=f"lower data.seq_len below {total // 2}, or add text"):
+        validation_batches(TokenDataset(tmp_path / "o", "val"), total // 2 + 10, 1, 1, 0, 1)

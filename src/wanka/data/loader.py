@@ -193,10 +193,14 @@ def validation_batches(
             "--val-fraction above 0"
         )
     if windows == 0:
+        total = dataset_val.num_tokens + TokenDataset(dataset_val.path, "train").num_tokens
+        fix = ("prepare it again with a larger --val-fraction (or --force), or lower "
+               "data.seq_len") if total // 2 > seq_len else (
+               f"lower data.seq_len below {total // 2}, or add text: validation holds at most "
+               f"half of the {total} tokens")  # fmt: skip
         raise ValueError(
             f"val split of {dataset_val.path} has {dataset_val.num_tokens} tokens, fewer than "
-            f"one window of seq_len={seq_len}: prepare it again with a larger --val-fraction "
-            f"(or --force), or lower data.seq_len"
+            f"one window of seq_len={seq_len}: {fix}"
         )
     # A val split smaller than one global batch is read round-robin (windows repeat) rather
     # than refused: a small corpus still gets an evaluation, over every held-out window.

@@ -323,17 +323,28 @@ def input_sources(paths: Sequence[str]) -> list:
 def _read_documents(f: Path, name: str) -> list[Document]:
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the text.
     if f.suffix.lower() == ".txt":
-        return [Document(name, f.read_text(encoding="utf-8-sig"))]
+        text = f.read_text(encoding="utf-8-sig")
+        if "\x00" in text:  # UTF-16 without a byte-order mark reads as ASCII and NULs
+            raise ValueError(f"{f} holds NUL bytes (at character {text.index(chr(0))}): if it is "
+                             "UTF-16, convert it (`iconv -f UTF-16LE -t UTF-8`); if it is not "
+                             "text, leave it out")  # fmt: skip
+        return [Document(name, text)]
     docs = []
     with open(f, encoding="utf-8-sig") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
+                row = json.loads(line)
+                text = row["text"]
                 if not isinstance(text, str):
                     raise TypeError("'text' is not a string")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except KeyError:
+                keys = ", ".join(map(str, list(row)[:6])) or "no fields"
+                raise ValueError(f'{f}:{lineno}: expected a JSON object with a string "text" '
+                                 f"field; this one has {keys}: rename the field holding the "
+                                 "document to text") from None  # fmt: skip
+            except (json.JSONDecodeError, TypeError) as e:
                 raise ValueError(
                     f'{f}:{lineno}: expected a JSON object with a string "text" field ({e})'
                 ) from None
