@@ -35,9 +35,12 @@ def test_old_checkpoint_without_newer_keys_loads(world_of_one, tmp_path):
     with torch.no_grad():
         model.weight.zero_()
     now_cfg = json.dumps({**json.loads(old_cfg), "seq_balance_loss_weight": 0.0})  # default
-    template = {"loader": {"epoch": 0}, "model_config": now_cfg, "lr_schedule": "{}"}
+    # A key new at the top (lr_schedule) and one new inside a saved dict (the loader's data
+    # size, added 2026-12-05: every older checkpoint failed to resume over it).
+    template = {"loader": {"epoch": 0, "data_docs": 0}, "model_config": now_cfg,
+                "lr_schedule": "{}"}  # fmt: skip
     state = ck.load(path, template)
-    assert state["loader"]["epoch"] == 3 and "lr_schedule" not in state
+    assert state["loader"] == {"epoch": 3} and "lr_schedule" not in state
     assert torch.equal(model.weight, weights)
     changed = json.dumps({**json.loads(old_cfg), "seq_balance_loss_weight": 0.5})
     with pytest.raises(ValueError, match="seq_balance_loss_weight"):

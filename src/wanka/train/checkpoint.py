@@ -672,8 +672,7 @@ class Checkpointer:
         # Train-state keys newer than this checkpoint (e.g. lr_schedule) are skipped, not
         # required: DCP would refuse a key the checkpoint lacks. Nested dicts flatten to "a.b".
         saved_keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        template = {k: v for k, v in train_template.items()
-                    if any(f == f"train.{k}" or f.startswith(f"train.{k}.") for f in saved_keys)}  # fmt: skip
+        template = _saved_part(train_template, "train", set(saved_keys))
         state["train"] = {"step": 0, "rng": torch.get_rng_state(), **template}
         # A model-only checkpoint (`wanka import` of a Hugging Face model): weights are loaded,
         # the optimizer starts fresh.
@@ -738,3 +737,19 @@ class SaveSchedule:
         interval_s = max((2 * cost * self.mtbf_s) ** 0.5 - cost, cost)
         self.interval_steps = max(1, round(interval_s / step_time))
         self.next = done_steps + self.interval_steps
+
+
+def _saved_part(template: dict, prefix: str, saved: set[str]) -> dict:
+    """The entries of `template` a checkpoint holds, at every depth (DCP flattens nested
+    dicts to "a.b.c"): a key added since (the loader's data size inside train.loader, say)
+    is left out of what is loaded, not required, so older checkpoints still resume."""
+    out = {}
+    for k, v in template.items():
+        name = f"{prefix}.{k}"
+        if isinstance(v, dict) and v:
+            part = _saved_part(v, name, saved)
+            if part:
+                out[k] = part
+        elif name in saved or any(f.startswith(name + ".") for f in saved):
+            out[k] = v
+    return out
