@@ -49,8 +49,10 @@ def test_bad_prompts_are_one_line(run_dir, tmp_path, capsys):
     f.write_text("a\n" + "y" * 100 + "\n")
     one_line_error(capsys, ["generate", run, "--prompts", str(f), "--batch-size", "1",
                             "--max-new-tokens", "2"], "prompt 2: prompt (100 tokens)")  # fmt: skip
-    one_line_error(capsys, ["generate", run, "--prompt", "a", "--max-new-tokens", "4",
-                            "--speculate", "100"], "+ speculate (100)")  # fmt: skip
+    one_line_error(capsys, ["generate", run, "--prompt", "a", "--max-new-tokens", "95",
+                            "--speculate", "10"], "+ speculate (10)")  # fmt: skip
+    one_line_error(capsys, ["generate", run, "--prompt", "a", "--seed", str(10**23)],
+                   "--seed 100000000000000000000000 is out of range")  # fmt: skip
     one_line_error(capsys, ["generate", run, "--prompt", "a", "--temperature", "nan"],
                    "temperature nan")  # fmt: skip
 
@@ -95,3 +97,23 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_dir, tmp_path, caps
     assert main(["generate", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "skipping damaged checkpoint step-00000005" in err and "step-00000000]" in err
+
+
+def test_a_checkpoint_named_as_its_folder_shows_it_and_speculation_past_the_end(
+    run_dir, tmp_path, capsys
+):
+    """`--checkpoint step-00000000` (as `ls RUN/checkpoints` shows it) said "no readable
+    manifest"; `--speculate 3000 --max-new-tokens 5` drafted 3000 tokens per round (6.7 s
+    for a 5-token answer; refused past max_seq_len): drafts are capped at the tokens left."""
+    run = str(run_dir)
+    capsys.readouterr()
+    assert main(["generate", run, "--prompt", "a", "--max-new-tokens", "2", "--checkpoint",
+                 "step-00000000", "--json"]) == 0  # fmt: skip
+    named = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert main(["generate", run, "--prompt", "a", "--max-new-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0]) == named
+    one_line_error(capsys, ["generate", run, "--prompt", "a", "--checkpoint", "step-00000099"],
+                   "no such directory")  # fmt: skip
+    assert main(["generate", run, "--prompt", "a", "--max-new-tokens", "5", "--speculate",
+                 "3000", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["tokens"] == 5

@@ -16,6 +16,10 @@ def check_out(out: Path, flag: str = "--out") -> None:
                          f"{out / 'result.json'}")  # fmt: skip
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {out}: cannot create its directory {out.parent} "
+                         f"({e.strerror}): pass another {flag}") from None  # fmt: skip
+    try:
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe"):
             pass
     except OSError as e:

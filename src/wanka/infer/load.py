@@ -32,7 +32,12 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
     """`checkpoint`: "latest" (the newest one whose files match their manifest) or a path."""
     if checkpoint != "latest":
         path = Path(checkpoint)
-        if (problem := verify(path)) is not None or not path.is_dir():
+        if not path.exists() and (run_dir / "checkpoints" / checkpoint).is_dir():
+            path = run_dir / "checkpoints" / checkpoint  # a name as `ls RUN/checkpoints` shows it
+        if not path.is_dir():
+            raise ValueError(f"checkpoint {path} is not usable (no such directory): pass one of "
+                             f"{run_dir / 'checkpoints'}'s step-N folders, or 'latest'")  # fmt: skip
+        if (problem := verify(path)) is not None:
             raise ValueError(f"checkpoint {path} is not usable ({problem or 'no such directory'})"
                              ": pass another --checkpoint, or 'latest'")  # fmt: skip
         return path
