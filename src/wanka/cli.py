@@ -39,6 +39,10 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be 1 or more (got {args.nproc}): the number of ranks "
                          "to start on this node")  # fmt: skip
     cfg = load_config(args.config, args.set)
+    threads = os.environ.get("OMP_NUM_THREADS", "1").strip() or "1"
+    if not (threads.isdigit() and int(threads) > 0):  # each rank's set_num_threads reads it
+        raise ValueError(f"OMP_NUM_THREADS={threads!r} is not a positive whole number (every "
+                         "rank would fail to start): unset it, or set e.g. OMP_NUM_THREADS=1")  # fmt: skip
     if args.nproc is None:  # the smallest world the config's degrees fit on this node
         args.nproc = cfg.parallel.smallest_world()
     if inside_torchrun():  # a rank: the `wanka train` that launched it holds the run directory

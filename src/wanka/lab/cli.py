@@ -65,8 +65,16 @@ def _tasks(a: argparse.Namespace) -> int:
 
 
 def _eval_config(a: argparse.Namespace):
-    from wanka.lab.evaluator import EvalConfig
+    import math
 
+    from wanka.lab.evaluator import EvalConfig
+    from wanka.lab.task import LabError
+
+    # (--memory-gib 0 removed the sandbox's memory limit; --repeats 0 failed every candidate)
+    for flag, value, low in (("--timeout", a.timeout, 1.0), ("--memory-gib", a.memory_gib, 0.25),
+                             ("--repeats", a.repeats, 1)):  # fmt: skip
+        if not math.isfinite(value) or value < low:
+            raise LabError(f"{flag} {value} is out of range: use {low:g} or more")
     return EvalConfig(timeout_s=a.timeout, memory_gib=a.memory_gib, repeats=a.repeats)
 
 

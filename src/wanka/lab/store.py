@@ -78,21 +78,32 @@ class Store:
         """key_path: the history's secret (default `<db>.key`; tests point it elsewhere)."""
         self.path = Path(path)
         self.key_path = Path(key_path) if key_path is not None else Path(f"{self.path}.key")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LabError(f"--db {self.path}: cannot create its folder ({e.strerror}): pass "
+                           "another path") from None  # fmt: skip
         try:  # create the DB file 0600 ourselves, so it is never world-readable, even briefly
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             os.chmod(self.path, 0o600)  # umask may have masked bits; sqlite keeps the mode
         except FileExistsError:
             pass
-        self.db = sqlite3.connect(self.path)
-        self.db.text_factory = decode_text  # bad UTF-8 in a TEXT column: tampering, not a crash
-        self.db.executescript(SCHEMA)
-        for table, cols in MIGRATIONS.items():
-            have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
-            for col, kind in cols:
-                if col not in have:
-                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {kind}")
-        self.db.commit()
+        except OSError as e:  # a folder there, a read-only disk
+            raise LabError(f"--db {self.path} cannot be created ({e.strerror}): pass another "
+                           "path") from None  # fmt: skip
+        try:
+            self.db = sqlite3.connect(self.path)
+            self.db.text_factory = decode_text  # bad UTF-8 in a TEXT column: tampering
+            self.db.executescript(SCHEMA)
+            for table, cols in MIGRATIONS.items():
+                have = {r[1] for r in self.db.execute(f"PRAGMA table_info({table})")}
+                for col, kind in cols:
+                    if col not in have:
+                        self.db.execute(f"ALTER TABLE {table} ADD COLUMN {col} {kind}")
+            self.db.commit()
+        except sqlite3.Error as e:
+            raise LabError(f"--db {self.path} is not a usable lab history ({e}): pass another "
+                           "path (a new one starts an empty history)") from None  # fmt: skip
         self._key: bytes | None = None
 
     def close(self) -> None:
