@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
+import os
 import re
 import shutil
 import sys
 import warnings
 from pathlib import Path
+
+from wanka.interop.staging import as_os_error, is_staging, staged
 
 SHARD_BYTES = 4 << 30  # safetensors shard size, as transformers' save_pretrained defaults to
 
@@ -50,9 +52,8 @@ def _check_out(out: Path, force: bool, source: Path, kind: str) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a directory: pick a new directory path")
     try:
-        entries = (
-            sorted(p.name for p in out.iterdir() if p.name != _STAGING) if out.is_dir() else []
-        )
+        names = [p.name for p in out.iterdir()] if out.is_dir() else []
+        entries = sorted(n for n in names if not is_staging(n))
     except OSError as e:
         raise ValueError(f"cannot read --out {out}: {e.strerror}") from None
     if not entries:
@@ -101,43 +102,6 @@ def _check_replaceable_run(out: Path, entries: list[str]) -> None:
                          "another --out")  # fmt: skip
 
 
-# Where a command writes before its files replace --out's: inside --out (same filesystem, so
-# the files move by rename), never counted as --out's own content.
-_STAGING = ".wanka-partial"
-
-
-@contextlib.contextmanager
-def _staged(out: Path):
-    """A folder inside `out` to write into; once the body is done, `out`'s old files are removed
-    and the new ones renamed into place. On a failure in the body `out` is as it was and the
-    half-written folder is removed."""
-    out = out.resolve()  # `--out .`: the folder itself, not a sibling named "."
-    tmp = out / _STAGING
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed run's leftovers
-        tmp.mkdir()
-    except OSError as e:
-        raise ValueError(f"cannot write --out {out}: {e.strerror or e}") from None
-    try:
-        yield tmp
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise ValueError(f"cannot write --out {out}: {e.strerror or e}") from None
-        raise
-    try:  # renames within one filesystem: the old files go only once the new ones are whole
-        for old in out.iterdir():
-            if old.name != _STAGING:
-                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-        for f in tmp.iterdir():
-            f.rename(out / f.name)
-        tmp.rmdir()
-    except OSError as e:
-        raise ValueError(f"cannot replace the files in --out {out}: {e.strerror or e} (the new "
-                         f"ones are in {tmp})") from None  # fmt: skip
-
-
 def _export(args: argparse.Namespace) -> int:
     from wanka.config.loader import load_config
     from wanka.infer.load import load_trained
@@ -150,11 +114,44 @@ def _export(args: argparse.Namespace) -> int:
     model, cfg, ckpt = load_trained(run_dir, args.checkpoint)
     check_exportable(cfg.model)
     _check_tokenizer(cfg.data.tokenizer, run_dir)
+    _check_finite(model.state_dict(), run_dir, ckpt)
     model_cfg, note = _as_decoded(model, cfg.model)
-    with _staged(out) as tmp:
+    with staged(out, recheck=lambda: _check_out(out, args.force, run_dir, "export")) as tmp:
         n, more = write_hf(model.state_dict(), model_cfg, cfg.data.tokenizer, tmp)
     print(f"wrote {out}: {n} tensors from {ckpt}{note}{more}")
+    _few_index_heads_note(model_cfg)
     return 0
+
+
+def _check_finite(state_dict: dict, run_dir: Path, ckpt: Path) -> None:
+    """A diverged run's NaN/Inf weights are refused before anything is written: the export
+    would be useless, and `wanka import` refuses it."""
+    from wanka.train.checkpoint import complete_checkpoints
+
+    for name, t in state_dict.items():
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            earlier = [p for p in complete_checkpoints(run_dir / "checkpoints")
+                       if p.name < ckpt.name]  # fmt: skip
+            pick = str(earlier[-1]) if earlier else "DIR (a checkpoint of an earlier step)"
+            raise ValueError(f"{ckpt} holds NaN or Inf values in {name!r} (the run diverged?): "
+                             f"export an earlier checkpoint with --checkpoint {pick}")  # fmt: skip
+
+
+# Below this many index heads, ReLU zeros make ties at the indexer's k-th score common.
+FEW_INDEX_HEADS = 8
+
+
+def _few_index_heads_note(model_cfg) -> None:
+    """With few index heads transformers' top-k may keep other keys than wanka's at a tie
+    (wanka keeps the most recent key): said, as its logits past index_topk can differ."""
+    if model_cfg.n_index_heads >= FEW_INDEX_HEADS:
+        return
+    if model_cfg.index_topk >= model_cfg.max_seq_len:  # every key attended: no top-k to tie
+        return
+    print(f"[note: n_index_heads is {model_cfg.n_index_heads}: with so few index heads, ties at "
+          "the indexer's top-k score are common and transformers breaks them differently from "
+          f"wanka (the most recent key), so its logits past index_topk {model_cfg.index_topk} "
+          "tokens can differ; see docs/INFERENCE.md, Limits]", file=sys.stderr)  # fmt: skip
 
 
 def _as_decoded(model, model_cfg) -> tuple:
@@ -195,9 +192,28 @@ def write_hf(state_dict: dict, model_cfg, tokenizer: str, out: Path) -> tuple[in
     return len(tensors), _write_tokenizer(tokenizer, out)
 
 
-def _write_safetensors(tensors: dict, out: Path) -> None:
+def _save_file(tensors: dict, path: Path) -> None:
+    """save_file, with its I/O errors (safetensors' own SafetensorError, which a full disk
+    raises) as OSErrors, and the file readable as config.json is: save_file makes it 0600,
+    which a serving account of another user cannot read."""
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except Exception as e:
+        if (err := as_os_error(e)) is None:
+            raise
+        raise err from None
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it back at once
+    os.umask(mask)
+    return mask
+
+
+def _write_safetensors(tensors: dict, out: Path) -> None:
     shards, size = [{}], 0
     for name in sorted(tensors):
         n = tensors[name].numel() * tensors[name].element_size()
@@ -207,12 +223,12 @@ def _write_safetensors(tensors: dict, out: Path) -> None:
         shards[-1][name] = tensors[name]
         size += n
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        _save_file(shards[0], out / "model.safetensors")
         return
     weight_map = {}
     for k, shard in enumerate(shards, 1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        _save_file(shard, out / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -223,7 +239,8 @@ def _write_tokenizer(spec: str, out: Path) -> str:
     """Byte tokenizer: a byte-level BPE with no merges (token id = byte value), which
     `AutoTokenizer` loads; a Hugging Face tokenizer.json: copied."""
     if spec != "byte":
-        shutil.copy(_tokenizer_file(spec), out / "tokenizer.json")
+        # copyfile, not copy: the run's file may be 0600, the export is read by others
+        shutil.copyfile(_tokenizer_file(spec), out / "tokenizer.json")
         (out / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n"
         )
@@ -236,7 +253,12 @@ def _write_tokenizer(spec: str, out: Path) -> str:
     tok = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.save(str(out / "tokenizer.json"))
+    try:
+        tok.save(str(out / "tokenizer.json"))
+    except Exception as e:  # tokenizers' Rust I/O error (a full disk) is a bare Exception
+        if (err := as_os_error(e)) is None:
+            raise
+        raise err from None
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}) + "\n")  # fmt: skip
     return ""
@@ -279,6 +301,7 @@ def _import(args: argparse.Namespace) -> int:
         cfg = model_config(hf)
     except ValueError as e:
         raise ValueError(f"{hf_dir}: {e}") from None
+    tokenizer = _import_tokenizer(hf_dir, out, cfg.vocab_size)
     tensors = read_tensors(hf_dir)
     cfg = _mtp_present(tensors, cfg)
     try:
@@ -296,15 +319,12 @@ def _import(args: argparse.Namespace) -> int:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         detail = " ".join(str(e).split())[:300]
         raise ValueError(f"{hf_dir} does not match its config.json ({first}: {detail})") from None
-    tokenizer = "byte"
-    if (hf_dir / "tokenizer.json").is_file() and not _is_byte_tokenizer(hf_dir / "tokenizer.json"):
-        tokenizer = str((out / "tokenizer.json").resolve())
     job = JobConfig(model=cfg, data=DataConfig(tokenizer=tokenizer, seq_len=import_seq_len(cfg)),
                     run=RunConfig(dir=str(out)))  # fmt: skip
     model_json = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
     state = {"model": model.state_dict(),
              "train": {"step": 0, "rng": torch.get_rng_state(), "model_config": model_json}}  # fmt: skip
-    with _staged(out) as tmp:
+    with staged(out, recheck=lambda: _check_out(out, args.force, hf_dir, "import")) as tmp:
         if tokenizer != "byte":
             shutil.copy(hf_dir / "tokenizer.json", tmp / "tokenizer.json")
         (tmp / "config.toml").write_text(dump_toml(job))
@@ -315,6 +335,43 @@ def _import(args: argparse.Namespace) -> int:
         write_manifest(ck, 0)
     print(f"wrote run directory {out} (model only, step 0): wanka generate {out} --prompt ...")
     return 0
+
+
+def _import_tokenizer(hf_dir: Path, out: Path, vocab_size: int) -> str:
+    """The imported run's data.tokenizer: "byte", or its copy of the folder's tokenizer.json.
+    Refused: a tokenizer with more tokens than the model has rows (generate would feed it ids
+    past the embedding), and no tokenizer.json for a model that is not byte-level (the byte
+    tokenizer's 256 ids would mean nothing to it)."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        if vocab_size != 256:
+            raise ValueError(f"{hf_dir} has no tokenizer.json, and the byte tokenizer wanka "
+                             "would use fits vocab_size 256 only (config.json's is "
+                             f"{vocab_size}): put the model's tokenizer.json there")  # fmt: skip
+        return "byte"
+    byte = _is_byte_tokenizer(path)
+    n = 256 if byte else _tokenizer_size(path)
+    if n is not None and n > vocab_size:
+        raise ValueError(f"{path} has {n} tokens and the model's vocab_size is {vocab_size}: "
+                         "this tokenizer is not the model's; put the model's own "
+                         "tokenizer.json there")  # fmt: skip
+    return "byte" if byte else str((out / "tokenizer.json").resolve())
+
+
+def _tokenizer_size(path: Path) -> int | None:
+    """How many token ids a tokenizer.json uses (its largest id + 1, added tokens included);
+    None without the tokenizers package (`wanka generate` then asks for it)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # the tokenizers library raises a bare Exception
+        detail = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"{path} is not a readable tokenizer.json ({detail}): re-download "
+                         "it") from None  # fmt: skip
+    return max(len(vocab), max(vocab.values(), default=-1) + 1)
 
 
 def _mtp_present(tensors: dict, cfg):
