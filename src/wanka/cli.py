@@ -367,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         if not supervisor_says_it:
             print(f"wanka {args.cmd}: {e}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_gone():  # `wanka model | head -2`
+            from wanka.infer.cli import _stdout_closed
+
+            return _stdout_closed()
         from wanka.resilience.heartbeat import mark_exit
 
         mark_exit(1)  # died of an error (often a dead peer's), not killed: not the culprit
@@ -376,6 +380,19 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except KeyboardInterrupt:
         return 130
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (then a broken pipe is the reader's
+    choice, not a failure; another pipe's is)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 def entry() -> None:

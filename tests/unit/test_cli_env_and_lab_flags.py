@@ -44,3 +44,39 @@ def test_a_db_that_is_not_a_lab_history_is_one_line(tmp_path, capsys):
     assert garbage.read_text().startswith("[not]")  # untouched
     assert main(["lab", "report", "--db", str(tmp_path)]) == 2  # a folder
     assert f"--db {tmp_path} is not a usable lab history" in capsys.readouterr().err
+
+
+def test_an_unknown_op_in_run_ops_backend_is_refused_not_ignored(capsys):
+    """`run.ops_backend=sparse_atention=reference` (a typo) trained on the default backend,
+    and `wanka check` said "ready to launch" for a backend train then refused."""
+    from wanka.ops.registry import check_forced
+
+    with pytest.raises(
+        ValueError, match="no op 'sparse_atention'; did you mean 'sparse_attention'"
+    ):
+        check_forced("sparse_atention=reference")
+    with pytest.raises(ValueError, match="has no backend 'nonexistent'; it has .*reference"):
+        check_forced("sparse_attention=nonexistent")
+    check_forced("sparse_attention=reference, lightning_indexer=cpu")
+    check_forced("*=reference")
+    rc = main(["check", "configs/demo.toml", "--set", 'run.ops_backend="foo=bar"'])
+    out = capsys.readouterr()
+    assert rc != 0 and "there is no op 'foo'" in out.out + out.err, out
+
+
+def test_a_reader_that_stops_early_is_no_traceback():
+    """`wanka model | head -2` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "wanka.cli", "model", "tiny"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    p.stdout.close()  # the reader leaves before the first line: every write fails
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
+def test_a_drill_of_no_ranks_is_one_line(tmp_path, capsys):
+    assert main(["chaos", "drill", "--out", str(tmp_path / "d"), "--nproc", "0"]) == 2
+    assert "--nproc must be 1 or more" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

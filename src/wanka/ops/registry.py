@@ -105,6 +105,27 @@ def _forced() -> dict[str, str]:
     return out
 
 
+def check_forced(spec: str, field: str = "run.ops_backend") -> None:
+    """One line unless every op=backend of `spec` names a registered op and one of its
+    backends: an unknown op was silently never forced (`sparse_atention=reference` trained
+    on the default backend)."""
+    import difflib
+
+    import wanka.ops  # noqa: F401  (registers every backend, exported lab kernels included)
+
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        op, _, backend = (x.strip() for x in item.partition("="))
+        if op != "*" and op not in _REGISTRY:
+            near = difflib.get_close_matches(op, list(_REGISTRY), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"{field}: there is no op {op!r}; {hint}ops: "
+                             f"{', '.join(sorted(_REGISTRY))}")  # fmt: skip
+        have = set(_REGISTRY[op]) if op != "*" else {n for t in _REGISTRY.values() for n in t}
+        if backend not in have:
+            raise ValueError(f"{field}: op {op!r} has no backend {backend!r}; it has "
+                             f"{', '.join(sorted(have))}")  # fmt: skip
+
+
 def import_backends(package: str, path: Iterable[str]) -> None:
     """Import every module of an op package (its `__name__`, `__path__`): each backend file
     registers itself, so a new backend needs no edit elsewhere."""

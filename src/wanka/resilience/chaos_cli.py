@@ -16,6 +16,8 @@ def _drill(a: argparse.Namespace) -> int:
         raise ValueError(
             "--cluster-state needs --cluster (run the drill across the cluster's nodes)"
         )
+    if a.nproc < 1:  # (each of the drill's runs failed with its reason hidden)
+        raise ValueError(f"--nproc must be 1 or more (got {a.nproc}): the ranks of each run")
     out = Path(a.out)
     result = drill(a.config, a.set, a.nproc, a.schedule, out, baseline=not a.no_baseline,
                    operator_timeout_s=a.operator_timeout,

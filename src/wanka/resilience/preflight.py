@@ -114,6 +114,10 @@ def _check_config(cfg) -> CheckResult:
     from wanka.config.loader import validate
 
     validate(cfg)  # a ConfigError names the field and the fix; _Checks turns it into FAIL
+    if cfg.run.ops_backend:
+        from wanka.ops.registry import check_forced
+
+        check_forced(cfg.run.ops_backend)
     return CheckResult("config", True, "fields valid")
 
 

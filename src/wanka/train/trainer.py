@@ -88,6 +88,9 @@ def setup(cfg: JobConfig, marks: list[tuple[str, float]] | None = None) -> Job:
     if device_type == "cpu":  # freed blocks stay in the heap: 1.03-1.4x CPU steps (BENCHMARKS)
         keep_freed_host_memory()
     if cfg.run.ops_backend:
+        from wanka.ops.registry import check_forced
+
+        check_forced(cfg.run.ops_backend)
         os.environ["WANKA_OPS_BACKEND"] = cfg.run.ops_backend
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device_type))
