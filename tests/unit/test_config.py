@@ -66,3 +66,13 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(_write(tmp_path, dump_toml(cfg)))
     assert again == cfg
     assert tomllib.loads(dump_toml(cfg))["train"]["steps"] == 9
+
+
+def test_empty_or_nul_paths_are_config_errors():
+    """resilience.ledger="" passed `wanka check` and made train say "fault ledger . is
+    unusable"; a NUL in run.dir was "embedded null byte" without the field."""
+    for override, field, words in (('resilience.ledger=""', "resilience.ledger", "is empty"),
+                                   ('data.cache_dir=" "', "data.cache_dir", "is empty"),
+                                   ('run.dir="a\\u0000b"', "run.dir", "holds a NUL character")):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{field}: {words}"):
+            load_config(None, [override])

@@ -189,6 +189,7 @@ def validate(cfg: JobConfig) -> None:
     for path, v in positive.items():
         if v <= 0:
             raise ConfigError(path, f"must be positive, got {v}")
+    _check_paths(cfg)
     if cfg.comm.int8_block > MAX_INT8_BLOCK:  # a scale per block: 1e12 allocates terabytes
         raise ConfigError("comm.int8_block", f"{cfg.comm.int8_block} elements per block: at "
                           f"most {MAX_INT8_BLOCK} (typical: 64-1024; one scale per block)")  # fmt: skip
@@ -301,6 +302,24 @@ def validate(cfg: JobConfig) -> None:
 
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+# Path fields that always name a place (an empty one meant the current folder, or ".").
+_REQUIRED_PATHS = ("data.path", "data.cache_dir", "resilience.snapshot_dir", "resilience.ledger")
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    defaults = JobConfig()
+    for path in PATH_FIELDS:
+        section, key = path.split(".")
+        value = getattr(getattr(cfg, section, None), key, None)
+        if not isinstance(value, str):
+            continue
+        if "\0" in value:
+            raise ConfigError(path, "holds a NUL character, which no path can", "remove it")
+        if path in _REQUIRED_PATHS and not value.strip():
+            default = getattr(getattr(defaults, section), key)
+            raise ConfigError(path, "is empty", f"set it to a path; the default is {default!r}")
 
 
 def _check_run(run) -> None:

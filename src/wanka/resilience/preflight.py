@@ -328,6 +328,10 @@ def _check_checkpoint(cfg) -> CheckResult:
     if ck.load not in ("latest", "none") and not Path(ck.load).is_dir():
         return CheckResult("checkpoint", False, f"checkpoint.load={ck.load!r} is not a "
                            "directory: point it at a checkpoint or use 'latest'/'none'")  # fmt: skip
+    if ck.init_weights and not Path(ck.init_weights).is_dir():  # (train refused it; check passed)
+        return CheckResult("checkpoint", False, f"checkpoint.init_weights={ck.init_weights!r} "
+                           "is not a directory: point it at a run directory or one of its "
+                           "checkpoints")  # fmt: skip
     if not ck.enable:
         return CheckResult("checkpoint", True, "checkpoints disabled (checkpoint.enable=false)",
                            warn=True)  # fmt: skip
