@@ -310,3 +310,20 @@ def test_nul_bytes_a_wrong_field_name_and_a_too_small_corpus_say_what_to_do(tmp_
     total = sum(TokenDataset(tmp_path / "o", s).num_tokens for s in ("train", "val"))
     with pytest.raises(ValueError, match=f"lower data.seq_len below {total // 2}, or add text"):
         validation_batches(TokenDataset(tmp_path / "o", "val"), total // 2 + 10, 1, 1, 0, 1)
+
+
+def test_an_out_on_a_read_only_disk_or_empty_is_one_line(tmp_path, capsys):
+    import subprocess
+
+    from wanka.resilience.chaos import small_filesystem, tmpfs_unavailable
+
+    docs = _docs(tmp_path, n=4)
+    assert main_prepare([str(docs)], "", None, 0.1, 0) == 2
+    assert "--out is empty" in capsys.readouterr().err
+    if tmpfs_unavailable() is not None:
+        return
+    with small_filesystem(tmp_path / "ro", 1) as ro:
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        assert main_prepare([str(docs)], str(ro / "ds"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot write the dataset at" in err and "Read-only" in err and ".tmp-" not in err, err

@@ -399,6 +399,8 @@ def main_prepare(
     with one line on bad input; an existing --out made from other inputs or options is
     refused (or rebuilt with ``force``), never silently kept."""
     try:
+        if not out.strip():
+            raise ValueError("--out is empty: name the folder to write the dataset into")
         out_dir = Path(out)
         _check_out_is_not_an_input(out_dir, inputs)
         files = [i for i in inputs if i != "builtin"]
@@ -422,8 +424,18 @@ def main_prepare(
             prepare_documents(docs, out_dir, tok, val_fraction, seed, sources=sources,
                               replace=replace)  # fmt: skip
         s = read_meta(out_dir)["splits"]
-    except (ValueError, ImportError, OSError) as e:
+    except (ValueError, ImportError) as e:
         print(f"wanka data prepare: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        at = Path(os.fsdecode(e.filename)) if e.filename else None
+        ours = at is not None and at.resolve().parent in (Path(out).resolve(),
+                                                         Path(out).resolve().parent)  # fmt: skip
+        if ours:  # a read-only or full disk: "[Errno 30] ... '.dp.tmp-qqp6zlrj'" before
+            print(f"wanka data prepare: cannot write the dataset at {out} ({e.strerror}): "
+                  "choose another --out, or free space there", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"wanka data prepare: {e}", file=sys.stderr)
         return 2
     status = "already prepared, kept" if existed else f"prepared in {time.perf_counter() - t0:.1f}s"
     print(
