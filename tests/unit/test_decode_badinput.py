@@ -97,6 +97,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_said(run_dir, tmp_path, caps
     assert main(["generate", str(run), "--prompt", "a", "--max-new-tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "skipping damaged checkpoint step-00000005" in err and "step-00000000]" in err
+    # Whose checkpoint (a distillation's teacher, say) and which one is used instead.
+    assert f"[{run}: skipping" in err and f"[{run}: using step-00000000 instead]" in err
 
 
 def test_a_checkpoint_named_as_its_folder_shows_it_and_speculation_past_the_end(

@@ -42,10 +42,14 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
                              ": pass another --checkpoint, or 'latest'")  # fmt: skip
         return path
     found = complete_checkpoints(run_dir / "checkpoints")
+    skipped = False
     for path in reversed(found):
         if (problem := verify(path)) is None:
+            if skipped:  # which one is used instead, and whose (a teacher's, say)
+                print(f"[{run_dir}: using {path.name} instead]", file=sys.stderr)
             return path
-        print(f"[skipping damaged checkpoint {problem}]", file=sys.stderr)
+        print(f"[{run_dir}: skipping damaged checkpoint {problem}]", file=sys.stderr)
+        skipped = True
     what = "only damaged checkpoints" if found else "no complete checkpoint"
     raise ValueError(f"{run_dir} has {what}: train it first (wanka train), or pass --checkpoint")
 
