@@ -284,3 +284,39 @@ def test_distill_refuses_a_teacher_with_nan_weights(base, tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "the teacher for 'code' gives a non-finite loss" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_resume_reports_an_lr_change_and_refuses_another_origin(base, tmp_path):
+    """Extending a run (train.steps 2 -> 4, a new train.lr) moves the LR curve: said in one
+    line with a marker row in metrics.jsonl, as `wanka train` does, and the config's lr is the
+    one used (the checkpoint's used to win). A resume with another reward (or post.init,
+    teachers, ...) is refused in one line, leaving the run as it was."""
+    from wanka.config.loader import load_config
+    from wanka.train.optim import Schedule
+
+    out = tmp_path / "rl"
+    given = [f"run.dir={out}", f"post.init={base}", "post.completion_tokens=8",
+             "post.eval_prompts=1", "post.samples_per_prompt=2", "post.prompts_per_step=1",
+             "run.tensorboard=false", "resilience.supervise=false", "checkpoint.every=2",
+             "train.warmup_steps=1", "train.eval_every=1000"]  # fmt: skip
+    r = wanka("rl", "configs/rl.toml", *sets(*given, "train.steps=2"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = wanka("rl", "configs/rl.toml", *sets(*given, "train.steps=4", "train.lr=2e-4"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    [note] = [x for x in r.stderr.splitlines() if "lr schedule changed on resume" in x]
+    assert "at step 2: horizon 2 -> 4 (train.steps)" in note and "train.lr" in note, note
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    [marker] = [x for x in rows if x["kind"] == "lr_schedule_change"]
+    assert marker["step"] == 2 and "a jump" in marker["message"]
+    cfg = load_config(out / "config.toml")
+    lrs = {x["step"]: x["lr"] for x in rows if x["kind"] == "train"}
+    assert lrs[3] == pytest.approx(Schedule.from_config(cfg.train).rates(2)[0], rel=1e-6)
+
+    before = {f: (out / f).read_text() for f in ("config.toml", "metrics.jsonl")}
+    r = wanka("rl", "configs/rl.toml",
+              *sets(*given, "train.steps=6", "train.lr=2e-4", "post.reward=python_lines"))  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.startswith("wanka rl: ")]
+    assert lines == ["wanka rl: post.reward changed from python_parses to python_lines since the "
+                     "run started: use a new run.dir, or set it back"], r.stderr[-3000:]  # fmt: skip
+    assert {f: (out / f).read_text() for f in before} == before

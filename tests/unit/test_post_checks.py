@@ -189,3 +189,21 @@ def test_post_init_finds_a_moved_runs_own_tokenizer(tmp_path) -> None:
     assert run_config(run, "post.init").data.tokenizer == str(run / "tokenizer.json")
     (run / "tokenizer.json").unlink()  # none to find: as written, for the loader's own error
     assert run_config(run, "post.init").data.tokenizer == "/gone/imported/tokenizer.json"
+
+
+def test_a_teachers_own_config_errors_name_the_teacher_and_its_run(tmp_path) -> None:
+    """A teacher's config.toml that fails validation read as the job's own config error
+    ("config error at data.seq_len: 128 > model.max_seq_len=64")."""
+    init, t = run_dir(tmp_path / "base"), run_dir(tmp_path / "t")
+    text = (t / "config.toml").read_text()
+    (t / "config.toml").write_text(text.replace("max_seq_len = 4096", "max_seq_len = 64"))
+    cfg = job(tmp_path, tmp_path / "out", init, "parallel.ep=1")
+    with pytest.raises(ValueError, match=rf"^teacher for 'code': {t}/config.toml: config error "
+                       r"at data.seq_len: .* > model.max_seq_len=64: fix that run's config") as info:  # fmt: skip
+        check_teachers(cfg, {"code": str(t), "prose": str(init)}, ["code", "prose"])
+    one_line(info)
+    # Valid on its own but not in this job (its experts do not split over parallel.ep).
+    (t / "config.toml").write_text(text.replace("n_experts = 8", "n_experts = 6"))
+    odd = job(tmp_path, tmp_path / "out", init, "parallel.ep=4", "parallel.dp_shard=4")
+    with pytest.raises(ValueError, match=rf"^teacher for 'code' \({t}\): config error at "):
+        check_teachers(odd, {"code": str(t), "prose": str(init)}, ["code", "prose"])

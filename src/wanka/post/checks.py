@@ -127,6 +127,24 @@ def check_vocabulary(cfg: JobConfig, tcfg: JobConfig, run_dir: str, role: str) -
                          "student's tokenizer")  # fmt: skip
 
 
+def parse_teachers(spec: str) -> dict[str, str]:
+    """ "code=runs/t-code,prose=runs/t-prose" -> {domain: run directory}."""
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        domain, sep, run_dir = item.partition("=")
+        if not sep or not domain.strip() or not run_dir.strip():
+            raise ValueError(f"post.teachers: {item!r} is not DOMAIN=RUN_DIR: write e.g. "
+                             "post.teachers=\"code=runs/t-code,prose=runs/t-prose\"")  # fmt: skip
+        if domain.strip() in out:
+            raise ValueError(f"post.teachers names domain {domain.strip()!r} twice: one teacher "
+                             "per domain")  # fmt: skip
+        out[domain.strip()] = run_dir.strip()
+    if not out:
+        raise ValueError("post.teachers is empty: give one teacher per prompt domain, e.g. "
+                         "post.teachers=\"code=runs/t-code,prose=runs/t-prose\"")  # fmt: skip
+    return out
+
+
 def check_teachers(cfg: JobConfig, teachers: dict[str, str], used: list[str]) -> None:
     """Each teacher: a run directory with a checkpoint, sharded like the policy, with the
     policy's vocabulary; one for every prompt domain `used`. A teacher for a domain the prompts
@@ -145,7 +163,8 @@ def check_teachers(cfg: JobConfig, teachers: dict[str, str], used: list[str]) ->
             continue
         role = f"teacher for {domain!r}"
         tcfg = run_config(run_dir, role)
-        check_frozen_model(cfg, tcfg.model, role)
+        # Its own model judged in this job's config: name whose model it is, and where.
+        check_frozen_model(cfg, tcfg.model, f"{role} ({run_dir})")
         check_vocabulary(cfg, tcfg, run_dir, role)
         check_has_checkpoint(run_dir, role)
 

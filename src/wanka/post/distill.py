@@ -21,6 +21,7 @@ from wanka.post.checks import (
     check_run_dir,
     check_teachers,
     check_vocabulary,
+    parse_teachers,
 )
 from wanka.post.engine import build_sharded, frozen, load_weights, run_config, zero_routing_counts
 from wanka.post.job import PostJob, collected, setup
@@ -34,24 +35,6 @@ from wanka.post.losses import (
 )
 from wanka.post.prompts import TaggedPrompt, domains
 from wanka.post.rollout import Samples, assemble, row_length
-
-
-def parse_teachers(spec: str) -> dict[str, str]:
-    """ "code=runs/t-code,prose=runs/t-prose" -> {domain: run directory}."""
-    out: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        domain, sep, run_dir = item.partition("=")
-        if not sep or not domain.strip() or not run_dir.strip():
-            raise ValueError(f"post.teachers: {item!r} is not DOMAIN=RUN_DIR: write e.g. "
-                             "post.teachers=\"code=runs/t-code,prose=runs/t-prose\"")  # fmt: skip
-        if domain.strip() in out:
-            raise ValueError(f"post.teachers names domain {domain.strip()!r} twice: one teacher "
-                             "per domain")  # fmt: skip
-        out[domain.strip()] = run_dir.strip()
-    if not out:
-        raise ValueError("post.teachers is empty: give one teacher per prompt domain, e.g. "
-                         "post.teachers=\"code=runs/t-code,prose=runs/t-prose\"")  # fmt: skip
-    return out
 
 
 def check_distill(cfg: JobConfig) -> None:
@@ -96,7 +79,8 @@ class Teachers:
             role = f"teacher for {domain!r}"
             tcfg = run_config(run_dir, role)
             check_vocabulary(job.cfg, tcfg, run_dir, role)
-            check_length(job.longest_prompt, job.cfg.post.completion_tokens, tcfg.model, role)
+            check_length(job.longest_prompt, job.cfg.post.completion_tokens, tcfg.model,
+                         f"{role} ({run_dir})")  # fmt: skip
             model = build_sharded(tcfg.model, job.dims, job.device, job.cfg.train.seed,
                                   job.param_dtype)  # fmt: skip
             load_weights(model, run_dir, role)

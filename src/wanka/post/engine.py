@@ -42,7 +42,11 @@ def run_config(run_dir: str | Path, role: str) -> JobConfig:
     if not path.is_file():
         raise ValueError(f"{role}: {run_dir} is not a run directory (no config.toml): pass the "
                          "run.dir of a finished `wanka train` (or `wanka import`)")  # fmt: skip
-    cfg = load_config(path)
+    try:
+        cfg = load_config(path)
+    except ValueError as e:  # else it reads as this job's own config error
+        raise ValueError(f"{role}: {path}: {e}: fix that run's config.toml or pick another "
+                         "run") from None  # fmt: skip
     tokenizer = run_tokenizer(Path(run_dir), cfg.data.tokenizer)  # found after a move too
     if tokenizer != cfg.data.tokenizer:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))

@@ -35,6 +35,7 @@ from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
 from wanka.post.checks import COMMAND_FILE, check_length
 from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
+from wanka.post.origin import origin, origin_change
 from wanka.post.prompts import (
     DOMAINS,
     TaggedPrompt,
@@ -47,10 +48,16 @@ from wanka.resilience.snapshot import apply, layout_signature
 from wanka.resilience.worker import Runtime
 from wanka.train.checkpoint import Checkpointer
 from wanka.train.metrics import MetricsWriter
-from wanka.train.optim import build_optimizer
+from wanka.train.optim import (
+    apply_hyperparameters,
+    build_optimizer,
+    schedule_change,
+    schedule_record,
+)
 from wanka.train.trainer import setup_logging
 
 log = logging.getLogger("wanka.post")
+BUILTIN_POOL_CAP = 2000  # built-in training prompts per domain, at most
 
 
 @dataclass
@@ -74,22 +81,26 @@ class PostJob:
     runtime: Runtime | None = None  # heartbeats and stop requests (wanka/resilience)
     longest_prompt: int = 0  # tokens, over every train and held-out prompt
     snapshots: object = None  # in-memory snapshots (resilience/snapshot.py), when supervised
-    _orders: dict = dataclasses.field(default_factory=dict)  # pass -> shuffled prompt order
+    # What the run starts from and is measured against (origin.py): kept with its checkpoints.
+    origin: dict = dataclasses.field(default_factory=dict)
+    # Built-in prompts come in a seeded random order already: the first pass keeps it, so
+    # what step s trains on does not depend on train.steps (see prompt_order).
+    drawn_in_order: bool = False
+    _orders: dict = dataclasses.field(default_factory=dict)  # pass -> prompt order
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     def prompts_for(self, step: int) -> list[TaggedPrompt]:
-        """This rank's prompts of `step`: consecutive slices of one seeded shuffle (per pass)."""
+        """This rank's prompts of `step`: consecutive slices of the passes over the prompts."""
         n, per = len(self.train_prompts), self.cfg.post.prompts_per_step
         start = (step * self.dims.dp + self.dp_rank) * per
         out = []
         for i in range(start, start + per):
-            if i // n not in self._orders:
-                order = list(range(n))
-                random.Random(self.cfg.train.seed + i // n).shuffle(order)
-                self._orders = {i // n: order}  # one pass at a time is enough
+            if i // n not in self._orders:  # one pass at a time is enough
+                self._orders = {i // n: prompt_order(n, i // n, self.cfg.train.seed,
+                                                     self.drawn_in_order)}  # fmt: skip
             out.append(self.train_prompts[self._orders[i // n][i % n]])
         return out
 
@@ -106,7 +117,27 @@ class PostJob:
         return gen.generate(prompts, p.completion_tokens)
 
     def train_state(self) -> dict:
-        return {"model_config": json.dumps(dataclasses.asdict(self.cfg.model), sort_keys=True)}
+        return {"model_config": json.dumps(dataclasses.asdict(self.cfg.model), sort_keys=True),
+                **self.records()}  # fmt: skip
+
+    def records(self) -> dict[str, str]:
+        """What a resume compares with its own config, saved with each checkpoint and
+        snapshot: the LR schedule in force (a change is reported) and the run's origin (a
+        change is refused)."""
+        return {"lr_schedule": json.dumps(schedule_record(self.cfg.train), sort_keys=True),
+                "post_origin": json.dumps(self.origin, sort_keys=True)}  # fmt: skip
+
+
+def prompt_order(n: int, k: int, seed: int, drawn_in_order: bool) -> list[int]:
+    """Pass k over n training prompts. Each pass is a seeded shuffle, except the first over
+    prompts drawn in a seeded random order already (the built-in ones): a longer run draws
+    more of the same sequence (its first prompts are the same), so in that pass prompt i is
+    the same whatever train.steps sized the pool. Later passes only happen at the pool's cap,
+    whose size is fixed too."""
+    order = list(range(n))
+    if k > 0 or not drawn_in_order:
+        random.Random(seed + k).shuffle(order)
+    return order
 
 
 def setup(cfg: JobConfig, command: str) -> PostJob:
@@ -152,6 +183,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
                   train_prompts, val_prompts, ckpt, metrics, rank,
                   dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
     job.param_dtype, job.runtime = dtype, runtime
+    job.drawn_in_order = p.prompts == "builtin"
+    job.origin = origin(cfg, command, domains(train_prompts + val_prompts))
     runtime.progress.enter("restore")
     job.longest_prompt = max(len(job.encode(x.text)) for x in train_prompts + val_prompts)
     check_length(job.longest_prompt, p.completion_tokens, cfg.model, "post.init")
@@ -161,11 +194,12 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
         layout_signature(policy, world, job.train_state()["model_config"], _layout_name(dims)),
     )
     with runtime.span("restore"):
-        job.start_step = _resume(job, p.init)
+        job.start_step, saved = _resume(job, p.init)
     if rank == 0:  # only now, as `wanka train` does: a refused resume leaves it as it was
         save_run_config(run_dir, cfg)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
+    _note_schedule_change(job, saved.get("lr_schedule"))
     if job.is_main:
         log.info("%s: %d train / %d held-out prompts over domains %s", command,
                  len(train_prompts), len(val_prompts), domains(train_prompts))  # fmt: skip
@@ -178,10 +212,31 @@ def _layout_name(dims: ParallelDims) -> str:
     return name + (f"-rep{dims.dp_replicate}" if dims.hsdp_enabled else "")
 
 
-def _resume(job: PostJob, init: str) -> int:
+def _note_schedule_change(job: PostJob, saved: str | None) -> None:
+    """As `wanka train` does: one line, and a marker row in metrics.jsonl, when the LR curve
+    from the resumed step on is not the one the run was following (train.steps raised, say)."""
+    record = json.loads(saved) if saved else None
+    change = schedule_change(record, job.cfg.train, job.start_step)
+    if change is None:
+        return
+    if job.is_main:
+        log.warning("%s", change)
+    job.metrics.log_event("lr_schedule_change", job.start_step, message=change)
+
+
+def _refuse_another_origin(job: PostJob, saved: dict) -> None:
+    """A resume that names another post.init, teacher, reward, ... than the run started from
+    (origin.py): one line, before anything in run.dir changes."""
+    if (changed := origin_change(saved.get("post_origin"), job.origin)) is not None:
+        raise ValueError(changed)
+
+
+def _resume(job: PostJob, init: str) -> tuple[int, dict]:
     """The newest of this run's in-memory snapshot (after a fault, under the supervisor) and
-    its newest checkpoint (policy + optimizer), else post.init's weights. Nothing else needs
-    restoring: prompts, the on-policy coin and sampling seeds are functions of the step."""
+    its newest checkpoint (policy + optimizer), else post.init's weights; with the records
+    saved beside it (PostJob.records; empty from post.init or an older checkpoint). Nothing
+    else needs restoring: prompts, the on-policy coin and sampling seeds are functions of the
+    step."""
     load = job.cfg.checkpoint.load
     if job.runtime is not None and job.runtime.attempt > 1:
         load = "latest"  # a relaunch continues this job, whatever the first launch started from
@@ -190,15 +245,19 @@ def _resume(job: PostJob, init: str) -> int:
     found = job.snapshots.restore() if job.snapshots is not None and load != "none" else None
     if found is not None and found[0] >= disk_step and found[0] > 0:
         step, state = found
-        apply(state, job.policy, job.optimizer)
+        extra = apply(state, job.policy, job.optimizer)
+        _refuse_another_origin(job, extra)
+        apply_hyperparameters(job.optimizer, job.cfg.train)  # the config's lr, not the saved
         log.info("resumed from the in-memory snapshot of step %d", step)
-        return step
+        return step, extra
     if path is None:
         load_weights(job.policy, init, "post.init")
-        return 0
+        return 0, {}
     state = job.ckpt.load(path, job.train_state())
+    _refuse_another_origin(job, state)
+    apply_hyperparameters(job.optimizer, job.cfg.train)  # as `wanka train`: the config wins
     log.info("resumed from %s at step %d", path, state["step"])
-    return int(state["step"])
+    return int(state["step"]), state
 
 
 def _prompts(cfg: JobConfig, dp: int, command: str
@@ -217,8 +276,10 @@ def _prompts(cfg: JobConfig, dp: int, command: str
         if not only:
             raise ValueError(f"post.domains={p.domains!r} leaves no built-in prompts for "
                              f"`wanka {command}`" + (f" (reward {p.reward}: code only)" if python else ""))  # fmt: skip
+        # As many as the run uses (at most 2000: more cycle, each later pass shuffled anew).
+        # A longer run draws more of the same sequence: see prompt_order.
         need = math.ceil(cfg.train.steps * p.prompts_per_step * dp / len(only))
-        n = min(max(need, 1), 2000)  # more cycle: each pass is shuffled anew
+        n = min(max(need, 1), BUILTIN_POOL_CAP)
         cont = 4 * p.completion_tokens  # enough reference text for off-policy rows
         seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
         try:

@@ -52,7 +52,8 @@ def run(job: PostJob, step_fn: Step, evaluate: Eval) -> dict[str, float]:
                 _step(job, step, step_fn, params, shard)
                 if job.snapshots is not None and (step + 1) % cfg.resilience.snapshot_every == 0:
                     with rt.span("snapshot", step=step), rt.phase("snapshot", step):
-                        job.snapshots.save(step + 1, capture(job.policy, job.optimizer, {}))
+                        job.snapshots.save(step + 1, capture(job.policy, job.optimizer,
+                                                             job.records()))  # fmt: skip
         if stop:
             _last_gasp(job, step)
         last = step + 1 == cfg.train.steps

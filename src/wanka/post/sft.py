@@ -12,8 +12,8 @@ from __future__ import annotations
 from wanka.config.schema import JobConfig
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
-from wanka.post.checks import check_common, check_run_dir, check_teachers
-from wanka.post.distill import Teachers, held_out_loss, parse_teachers
+from wanka.post.checks import check_common, check_run_dir, check_teachers, parse_teachers
+from wanka.post.distill import Teachers, held_out_loss
 from wanka.post.engine import Rollout, run_config
 from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import global_max, global_sum, per_domain, regularisers, run

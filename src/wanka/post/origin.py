@@ -1,0 +1,114 @@
+"""What a post-training run starts from and is measured against: post.init, the teachers,
+the reward, the prompts and the objective's settings. Recorded with every checkpoint (and
+in-memory snapshot) of the run; a resume that names another is refused in one line. Without
+this, a resume took the new value silently: RL's KL reference and the teachers are reloaded
+from their run directories at every start, and `wanka report`'s "gap closed" kept measuring
+against the step-0 teacher_eval of the old teachers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from wanka.config.schema import JobConfig
+from wanka.post.checks import parse_teachers
+from wanka.train.checkpoint import MARKER, complete_checkpoints
+
+# One recorded setting: [as shown to the user, what it is (compared)].
+Entry = list[str]
+
+
+def run_identity(run_dir: str) -> Entry:
+    """A run directory as the newest complete checkpoint it would give, by content (its
+    manifest's checksums): a moved or copied run is the same one; another run, or this one
+    trained on since, is not."""
+    found = complete_checkpoints(Path(run_dir) / "checkpoints")
+    if not found:
+        return [run_dir, str(Path(run_dir).resolve())]
+    newest = found[-1]
+    shown = f"{run_dir} ({newest.name})"
+    try:
+        files = json.loads((newest / MARKER).read_text())["files"]
+        return [shown, "sha256:" + _sha256(json.dumps(files, sort_keys=True).encode())]
+    except (OSError, ValueError, KeyError, TypeError):  # no manifest to go by: its location
+        return [shown, str(newest.resolve())]
+
+
+def file_identity(path: str) -> Entry:
+    """A prompts file, by content (an edit in place is another prompt set)."""
+    try:
+        return [path, "sha256:" + _sha256(Path(path).read_bytes())]
+    except OSError:
+        return [path, str(Path(path).resolve())]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _plain(value: object) -> Entry:
+    return [str(value), str(value)]
+
+
+def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
+    """The record of a `wanka <command>` job whose prompts have the domains `used`. Ordered so
+    that a change is named by its cause (post.prompts before the seed of built-in prompts,
+    post.divergence before beta)."""
+    p = cfg.post
+    out = {"post.init": run_identity(p.init)}
+    if p.prompts == "builtin":
+        seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
+        out["post.prompts"] = _plain("builtin")
+        out["post.prompt_seed"] = [f"{seed} (train.seed)" if p.prompt_seed < 0 else str(seed),
+                                   str(seed)]  # fmt: skip
+        out["post.prompt_chars"] = _plain(p.prompt_chars)
+    else:
+        out["post.prompts"] = file_identity(p.prompts)
+    out["post.domains"] = _plain(",".join(sorted(used)))
+    if command == "distill" or (command == "sft" and p.sft_source == "teachers"):
+        out |= _teachers(p.teachers, used)
+    if command == "distill":
+        out["post.divergence"] = _plain(p.divergence)
+        out["post.estimator"] = _plain(p.estimator)
+        if p.divergence == "jsd":
+            out["post.beta"] = _plain(p.beta)
+        out["post.on_policy_fraction"] = _plain(p.on_policy_fraction)
+    if command == "rl":
+        out["post.reward"] = _plain(p.reward)
+        out["post.kl_coef"] = _plain(p.kl_coef)
+    if command == "sft":
+        out["post.sft_source"] = _plain(p.sft_source)
+    if command == "draft":  # the drafts per round trained (0 = post.speculate)
+        out["post.draft_steps"] = _plain(p.draft_steps or p.speculate)
+    return out
+
+
+def _teachers(spec: str, used: list[str]) -> dict[str, Entry]:
+    """One entry per teacher the job loads (keyed post.teachers:DOMAIN)."""
+    out = {}
+    for domain, run_dir in sorted(parse_teachers(spec).items()):
+        if domain in used:  # a spare teacher is never loaded
+            shown, ident = run_identity(run_dir)
+            out[f"post.teachers:{domain}"] = [f"{domain}={shown}", ident]
+    return out
+
+
+def origin_change(saved: str | None, now: dict[str, Entry]) -> str | None:
+    """One line when a setting of `now` is not what the checkpoint's record `saved` says the
+    run started from; None when they agree, or for a checkpoint saved before records (it
+    resumes as it did)."""
+    try:
+        old = json.loads(saved) if saved else {}
+    except ValueError:
+        old = {}
+    for key, (shown, ident) in now.items():
+        if not isinstance(old.get(key), list) or len(old[key]) != 2 or old[key][1] == ident:
+            continue  # not recorded (an older record, or not used then): nothing to compare
+        name, was = key.split(":")[0], old[key][0]
+        if was == shown:  # the same name now holds something else
+            return (f"{name}={shown} holds other content than when the run started: use a new "
+                    "run.dir, or restore it")  # fmt: skip
+        return (f"{name} changed from {was} to {shown} since the run started: use a new run.dir, "
+                "or set it back")  # fmt: skip
+    return None
