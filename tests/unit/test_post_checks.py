@@ -174,7 +174,7 @@ def test_a_teacher_shorter_than_the_job_names_the_job_setting() -> None:
     cfg = load_config(None, ["data.seq_len=128", "parallel.ep=1"])
     teacher = load_config(None, ["model.max_seq_len=64", "data.seq_len=64"]).model
     with pytest.raises(ValueError, match=r"teacher for 'code': its model.max_seq_len=64 is below "
-                                         r"this job's data.seq_len=128: lower data.seq_len"):  # fmt: skip
+                                         r"this job's data.seq_len=128 \(post.init's\): use a model"):  # fmt: skip
         check_frozen_model(cfg, teacher, "teacher for 'code'")
 
 
@@ -207,3 +207,20 @@ def test_a_teachers_own_config_errors_name_the_teacher_and_its_run(tmp_path) -> 
     odd = job(tmp_path, tmp_path / "out", init, "parallel.ep=4", "parallel.dp_shard=4")
     with pytest.raises(ValueError, match=rf"^teacher for 'code' \({t}\): config error at "):
         check_teachers(odd, {"code": str(t), "prose": str(init)}, ["code", "prose"])
+
+
+def test_overrides_the_command_drops_or_never_reads_are_said(capsys) -> None:
+    """`wanka sft --set model.dim=64` trained post.init's model (128) and wrote no word;
+    `wanka distill --set post.samples_per_prompt=3` changed nothing, silently."""
+    from wanka.cli import main
+    from wanka.post.cli import _check_overrides
+
+    assert main(["sft", "configs/sft.toml", "--set", "model.dim=64"]) == 2
+    err = capsys.readouterr().err
+    assert "--set model.dim: post-training takes [model] and [data] from post.init's run" in err
+    _check_overrides("distill", ["post.samples_per_prompt=3", "post.beta=0.3", "train.lr=1e-4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["wanka distill: --set post.samples_per_prompt changes nothing here (it is for "
+                   "`wanka rl`)"], err  # fmt: skip
+    _check_overrides("sft", ["post.teachers=code=x"])  # sft reads teachers too
+    assert capsys.readouterr().err == ""

@@ -40,9 +40,8 @@ def check_frozen_model(cfg: JobConfig, model: ModelConfig, role: str) -> None:
     """A teacher or reference is sharded like the policy: its experts must split over ep."""
     if model.max_seq_len < cfg.data.seq_len:  # else validate names the job's own seq_len
         raise ValueError(f"{role}: its model.max_seq_len={model.max_seq_len} is below this "
-                         f"job's data.seq_len={cfg.data.seq_len}: lower data.seq_len to "
-                         f"{model.max_seq_len} or less, or use a model trained for longer "
-                         "sequences")  # fmt: skip
+                         f"job's data.seq_len={cfg.data.seq_len} (post.init's): use a model "
+                         f"trained for sequences of {cfg.data.seq_len} tokens or more")  # fmt: skip
     try:
         validate(dataclasses.replace(cfg, model=model))
     except ValueError as e:

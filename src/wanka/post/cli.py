@@ -41,6 +41,7 @@ def _post(args: argparse.Namespace) -> int:
     from wanka.distributed.parallel_dims import ParallelDims
     from wanka.post.checks import with_policy_model
 
+    _check_overrides(args.cmd, args.set)
     # Validated once post.init's [model] is in: parallel.ep is judged against its experts.
     cfg = with_policy_model(load_config(args.config, args.set, check=False))
     getattr(_module(args.cmd), f"check_{args.cmd}")(cfg)
@@ -58,6 +59,29 @@ def _post(args: argparse.Namespace) -> int:
     # Held until the job ends: a second job on this run directory is refused (exit 2).
     with job_start(cfg, rdzv, getattr(args, "argv", None) or [args.cmd]):
         return _launch(args, cfg, rdzv, chaos)
+
+
+# [post] keys only some commands read: set for another, they would change nothing.
+_ONLY_FOR = {"teachers": ("distill", "sft"), "divergence": ("distill",), "estimator": ("distill",),
+             "beta": ("distill",), "on_policy_fraction": ("distill",), "sft_source": ("sft",),
+             "samples_per_prompt": ("rl",), "reward": ("rl",), "clip_eps": ("rl",),
+             "updates_per_batch": ("rl",), "kl_coef": ("rl",), "speculate": ("draft",),
+             "draft_steps": ("draft",)}  # fmt: skip
+
+
+def _check_overrides(cmd: str, overrides: list[str]) -> None:
+    """--set of what this command takes from elsewhere or never reads: said, not dropped
+    silently (`wanka sft --set model.dim=64` trained post.init's model; `wanka distill --set
+    post.samples_per_prompt=3` changed nothing)."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key.startswith(("model.", "data.")):
+            raise ValueError(f"--set {key}: post-training takes [model] and [data] from "
+                             "post.init's run (the policy is that model); drop it")  # fmt: skip
+        name = key.removeprefix("post.")
+        if key.startswith("post.") and cmd not in _ONLY_FOR.get(name, (cmd,)):
+            print(f"wanka {cmd}: --set {key} changes nothing here (it is for `wanka "
+                  f"{' / '.join(_ONLY_FOR[name])}`)", file=sys.stderr)  # fmt: skip
 
 
 def _launch(args: argparse.Namespace, cfg, rdzv: dict, chaos) -> int:
