@@ -74,7 +74,7 @@ def test_generate_streams_and_speculation_matches(run_dir, tmp_path):
     [
         (["--prompt", "x", "--top-p", "0"], "top_p"),
         (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
-        (["--prompts", "/nonexistent/p.txt"], "no prompts file"),
+        (["--prompts", "/nonexistent/p.txt"], "prompts file /nonexistent/p.txt does not exist"),
         (["--prompt", "x", "--eos", "999"], "--eos"),
         (["--prompt", "x", "--checkpoint", "/nonexistent"], "not usable"),
     ],

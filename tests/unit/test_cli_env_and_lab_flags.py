@@ -80,3 +80,19 @@ def test_a_drill_of_no_ranks_is_one_line(tmp_path, capsys):
     assert main(["chaos", "drill", "--out", str(tmp_path / "d"), "--nproc", "0"]) == 2
     assert "--nproc must be 1 or more" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_folder_or_fifo_where_a_file_belongs_is_named_as_such(tmp_path, capsys):
+    """A FIFO as the config was "no such config file" (it exists); a folder of prompts was
+    "no prompts file DIR"; wanka clean took --max-age-h -1 and nan."""
+    import os
+
+    fifo = tmp_path / "job.toml"
+    os.mkfifo(fifo)
+    assert main(["check", str(fifo)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path), "--prompts", str(tmp_path)]) == 2
+    assert f"prompts file {tmp_path} is a folder" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf"):
+        assert main(["clean", "--max-age-h", bad]) == 2
+        assert "is not a positive number of hours" in capsys.readouterr().err

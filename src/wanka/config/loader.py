@@ -38,6 +38,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if p.is_dir():
             raise ConfigError("", f"{p} is a folder, not a config file",
                               "pass a TOML job file, e.g. configs/demo.toml")  # fmt: skip
+        if p.exists() and not p.is_file():  # a FIFO, a device: nothing to read a job from
+            raise ConfigError("", f"{p} is not a regular file",
+                              "pass a TOML job file, e.g. configs/demo.toml")  # fmt: skip
         if not p.is_file():
             raise ConfigError(
                 "", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml"

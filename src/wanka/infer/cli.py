@@ -43,7 +43,14 @@ def read_prompts(path: str) -> list[str]:
     lines with a 'prompt' field. Lines end at "\\n" only (a trailing "\\r" dropped)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"no prompts file {p}: pass a text file (one prompt per line)")
+        what = (
+            "is a folder"
+            if p.is_dir()
+            else "is not a regular file"
+            if p.exists()
+            else "does not exist"
+        )
+        raise FileNotFoundError(f"prompts file {p} {what}: pass a text file (one prompt per line)")
     data = p.read_bytes()
     data = data[len(_BOM) :] if data.startswith(_BOM) else data  # an editor's BOM is no text
     try:

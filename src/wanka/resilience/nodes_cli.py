@@ -80,6 +80,8 @@ def _clean(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, a.set).resilience
     root = a.snapshot_dir or cfg.snapshot_dir
     max_age = cfg.snapshot_max_age_h if a.max_age_h is None else a.max_age_h
+    if not max_age > 0 or max_age == float("inf"):  # (nan and -1 were taken as given)
+        raise ValueError(f"--max-age-h {max_age} is not a positive number of hours")
     places = [(root, "")]
     if a.cluster or a.cluster_state:  # each node's own memory, as the host sees it
         from wanka.cluster.nodes import node_path
@@ -158,10 +160,10 @@ def _evict(a: argparse.Namespace) -> int:
 def add_nodes_parser(subparsers: argparse._SubParsersAction) -> None:
     """`wanka nodes [faults|clear|evict] [--ledger PATH]`."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--ledger", default=DEFAULT_LEDGER,
-                        help=f"fault ledger file (default: {DEFAULT_LEDGER})")  # fmt: skip
-    common.add_argument("--snapshot-dir", default=DEFAULT_SNAPSHOT_DIR,
-                        help=f"in-memory snapshot dir (default: {DEFAULT_SNAPSHOT_DIR})")  # fmt: skip
+    common.add_argument("--ledger", default=DEFAULT_LEDGER, help="fault ledger file")
+    common.add_argument(
+        "--snapshot-dir", default=DEFAULT_SNAPSHOT_DIR, help="in-memory snapshot dir"
+    )
     n = subparsers.add_parser("nodes", parents=[common],
                               help="fault ledger: node status, faults, evict / clear a node")  # fmt: skip
     # Bare `wanka nodes` shows the table, so the sub-command is optional.
