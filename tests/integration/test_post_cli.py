@@ -39,6 +39,7 @@ def base(tmp_path_factory) -> Path:
         ("distill", ["post.estimator=sampled", "post.temperature=0.7"], "temperature 1"),
         ("distill", ["post.estimator=sampled", "post.divergence=forward_kl"], "reverse KL only"),
         ("rl", ["post.samples_per_prompt=1"], "use 2 or more"),
+        ("rl", ["post.kl_coef=1e30"], "post.kl_coef=1e+30 is above 100"),
         ("rl", ["post.reward=no_such_module:fn"], "no_such_module"),
         ("rl", ["post.init=/nonexistent/run"], "not a run directory"),
         ("rl", ["post.divergence=kl"], "post.divergence"),

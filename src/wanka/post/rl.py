@@ -57,12 +57,16 @@ def check_rl(cfg: JobConfig) -> None:
                          "samples of one prompt with each other, use 2 or more (e.g. 4)")  # fmt: skip
     if p.clip_eps <= 0 or p.kl_coef < 0:
         raise ValueError("post.clip_eps must be > 0 and post.kl_coef >= 0 (e.g. 0.2 and 0.04)")
+    if p.kl_coef > MAX_KL_COEF:  # 1e30 overflowed every gradient: each update was skipped
+        raise ValueError(f"post.kl_coef={p.kl_coef:g} is above {MAX_KL_COEF:g}: the KL term "
+                         "would swamp the reward (and overflow); use e.g. 0.04")  # fmt: skip
     load_reward(p.reward)  # a bad reward spec fails here, in one line, not in every rank
     # post.init is read at every start, resumed or not: the KL reference.
     check_run_dir(cfg, "rl", {"post.init": p.init}, needs_init=True)
 
 
 log = logging.getLogger("wanka.post.rl")
+MAX_KL_COEF = 100.0  # GRPO uses ~0.001-0.1; far above this the reward no longer counts
 
 # Rewards are normalised per group in float64 and the advantages used in float32: a reward
 # beyond this is more likely a bug (a sentinel, an overflow) than a score.
