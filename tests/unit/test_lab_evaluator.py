@@ -256,3 +256,33 @@ def test_a_reply_describing_one_region_many_times_is_refused_before_it_is_read(t
     got = Server._read(srv, {"outs": [whole, half]}, 2)
     assert torch.equal(got[0], data) and torch.equal(got[1], data[512:])
     assert got[0].data_ptr() != data.data_ptr()  # a copy, not a view of the server's memory
+
+
+def test_an_evaluator_that_cannot_read_its_servers_says_so_not_a_cheat(tmp_path):
+    """Outputs are read out of the servers' memory: without CAP_SYS_PTRACE over a sandboxed
+    server (a container given CAP_SYS_ADMIN only), every candidate, honest ones included,
+    was rejected as a protocol breach. The evaluator probes the read first and says the
+    environment lacks it ("unavailable")."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("capsh") is None:
+        pytest.skip("needs root and capsh to drop CAP_SYS_PTRACE")
+    script = tmp_path / "ev.py"
+    script.write_text(
+        "import dataclasses\n"
+        "from wanka.lab.evaluator import EvalConfig, evaluate\n"
+        "from wanka.lab.task import Shape\n"
+        "from wanka.lab.tasks import get_task\n"
+        "t = dataclasses.replace(get_task('rmsnorm-cpu'), shapes=(Shape('a', {'N': 8, 'D': 32}),))\n"
+        f"fb = evaluate(t, {REF!r} + 'kernel = reference\\n', EvalConfig(timeout_s=60, timing=False))\n"
+        "print(fb.status, '|', fb.message)\n"
+    )  # fmt: skip
+    r = subprocess.run(["capsh", "--drop=cap_sys_ptrace", "--", "-c",
+                        f"{sys.executable} {script}"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    out = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
+    if "isolation" in out and "unavailable" in out and "CAP_SYS_PTRACE" not in out:
+        pytest.skip(f"no sandbox here: {out}")
+    assert out.startswith("unavailable |") and "CAP_SYS_PTRACE" in out, out

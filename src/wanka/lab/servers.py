@@ -6,6 +6,7 @@ from a server; its clock, its CPU time and its pid's liveness are read from this
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import select
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from wanka.lab import worker
-from wanka.lab.shm import Buffer, ShmError, encode_inputs, parse_description, read_remote
+from wanka.lab.shm import PROBE, Buffer, ShmError, encode_inputs, parse_description, read_remote
 from wanka.lab.verdict import Feedback, Verdict, reject
 
 _ENV_KEEP = {"PATH", "HOME", "USER", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV",
@@ -189,7 +190,27 @@ class Server:
             self.pidfd = os.pidfd_open(pid)
         except (OSError, AttributeError):
             self.pidfd = None
+        self._probe(self._parse(self._recv()).get("probe"))
         return self._parse(self._recv())
+
+    def _probe(self, meta) -> None:
+        """Read the server's known pattern (sent before any candidate code runs): where this
+        process may not read its memory (no CAP_SYS_PTRACE over a server that changed its uid,
+        Yama's ptrace_scope >= 2), no evaluation can take its outputs: the environment's
+        fault, said as such, never a candidate's protocol breach."""
+        try:
+            got = read_remote(self.host_pid, meta, PROBE.numel() * PROBE.element_size())
+        except ShmError as e:
+            if getattr(e, "errno", None) == errno.ESRCH:
+                raise self._died() from None
+            if getattr(e, "errno", None) in (errno.EPERM, errno.EACCES):
+                raise Verdict(Feedback("unavailable", f"this process cannot read the kernel "
+                                       f"servers' memory ({e}): the lab needs CAP_SYS_PTRACE "
+                                       "over them (run as root with it, or with Yama "
+                                       "ptrace_scope <= 1 without the sandbox)")) from None  # fmt: skip
+            raise reject("protocol", f"the {self.role}'s process sent a bad probe: {e}") from None
+        if not torch.equal(got, PROBE):
+            raise reject("protocol", f"the {self.role}'s process sent a bad probe")
 
     def _send(self, data: bytes) -> None:
         """A send the process cannot turn into an exception here (it may have shut its end)."""
