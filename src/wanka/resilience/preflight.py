@@ -255,9 +255,10 @@ def _check_data(cfg, world_size: int) -> list[CheckResult]:
     tok = load_tokenizer(cfg.data.tokenizer)  # a missing tokenizer file raises its own fix
     if tok.name == tok_name:
         out.append(CheckResult("data.tokenizer", True, f"{tok.name} matches the dataset"))
-    elif cfg.data.tokenizer == "byte":  # the default; training reads ids only, so just a hint
-        out.append(CheckResult("data.tokenizer", True, f"dataset prepared with {tok_name}, "
-                               "data.tokenizer is 'byte': set it to that tokenizer.json", warn=True))  # fmt: skip
+    elif cfg.data.tokenizer == "byte":  # the default: the run records the data's
+        spec = meta["tokenizer"].get("spec")
+        out.append(CheckResult("data.tokenizer", True, f"dataset prepared with {tok_name}: "
+                               f"the run records its tokenizer ({spec})"))  # fmt: skip
     else:
         out.append(CheckResult("data.tokenizer", False, f"{path} was prepared with {tok_name}, "
                                f"data.tokenizer is {tok.name}: re-prepare the data or fix data.tokenizer"))  # fmt: skip

@@ -202,12 +202,13 @@ def check_data(cfg: JobConfig, world_size: int) -> None:
     validation_batches(TokenDataset(path, "val"), cfg.data.seq_len, 1, 1, 0, world_size)
 
 
-def adopt_dataset_tokenizer(cfg: JobConfig) -> None:
+def adopt_dataset_tokenizer(cfg: JobConfig, warn: bool = False) -> None:
     """data.tokenizer := the tokenizer a prepared data.path was made with. The run's config
     is what `wanka generate`, export and post-training encode and decode with: left at
     "byte" for data prepared with tokenizer.json, they decoded its ids as bytes (garbage, or
-    a crash) and a distillation accepted a teacher of another tokenizer. A data.tokenizer
-    that names another tokenizer than the data's is refused."""
+    a crash) and a distillation accepted a teacher of another tokenizer. Training itself
+    reads ids only: a tokenizer file that is gone or unreadable here is recorded all the
+    same (`warn`: said once); a data.tokenizer that names another tokenizer is refused."""
     if cfg.data.path == "builtin":
         return
     from wanka.data.prepare import read_meta
@@ -215,25 +216,34 @@ def adopt_dataset_tokenizer(cfg: JobConfig) -> None:
 
     made_with = read_meta(cfg.data.path).get("tokenizer") or {}
     name, spec = made_with.get("name"), made_with.get("spec") or "byte"
-    if not isinstance(name, str):
-        return  # nothing recorded to go by
     given = cfg.data.tokenizer
+    if not isinstance(name, str) or (name == "byte" and given == "byte"):
+        return  # nothing recorded to go by, or bytes both
+    refuse = ValueError(f"data.tokenizer={given} is not the tokenizer {cfg.data.path} was "
+                        f"prepared with ({spec}): drop data.tokenizer (the data's is used), or "
+                        "prepare the data again with it")  # fmt: skip
     if given != "byte":  # named: it must be the data's (the same file, wherever it is)
-        if load_tokenizer(given).name != name:
-            raise ValueError(f"data.tokenizer={given} is not the tokenizer {cfg.data.path} was "
-                             f"prepared with ({spec}): drop data.tokenizer (the data's is "
-                             "used), or prepare the data again with it")  # fmt: skip
-        return
-    if name == "byte":
+        if name == "byte":
+            raise refuse
+        try:
+            same = load_tokenizer(given).name == name
+        except (ValueError, ImportError):
+            return  # cannot be told here; kept as given
+        if not same:
+            raise refuse
         return
     try:
-        same = load_tokenizer(spec).name == name
-    except ValueError:
-        same = False
-    if not same:
-        raise ValueError(f"{cfg.data.path} was prepared with the tokenizer {spec}, which is gone "
-                         "or has changed since: set data.tokenizer to a copy of the "
-                         "tokenizer.json it was prepared with")  # fmt: skip
+        why = None if load_tokenizer(spec).name == name else "has changed since"
+    except (ValueError, ImportError) as e:
+        why = f"cannot be loaded here ({str(e)[:120]})"
+    if why and warn:
+        logging.getLogger("wanka").warning(
+            "data.tokenizer: %s was prepared with %s, which %s: recorded all the same (training "
+            "reads ids only); generate and export need that tokenizer",
+            cfg.data.path,
+            spec,
+            why,
+        )
     cfg.data.tokenizer = spec
 
 
@@ -458,7 +468,7 @@ def _run(cfg: JobConfig) -> dict:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
-        adopt_dataset_tokenizer(cfg)
+        adopt_dataset_tokenizer(cfg, warn=True)
         save_run_config(job.run_dir, cfg)
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
