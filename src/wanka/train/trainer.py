@@ -223,13 +223,11 @@ def adopt_dataset_tokenizer(cfg: JobConfig, warn: bool = False) -> None:
                         f"prepared with ({spec}): drop data.tokenizer (the data's is used), or "
                         "prepare the data again with it")  # fmt: skip
     if given != "byte":  # named: it must be the data's (the same file, wherever it is)
-        if name == "byte":
-            raise refuse
         try:
-            same = load_tokenizer(given).name == name
-        except (ValueError, ImportError):
+            named = load_tokenizer(given).name  # a named file that is missing: its own line
+        except ImportError:
             return  # cannot be told here; kept as given
-        if not same:
+        if named != name:
             raise refuse
         return
     try:
