@@ -54,6 +54,20 @@ def test_a_changed_post_init_is_refused_in_one_line(tmp_path) -> None:
     assert "to " + f"{base} (step-00000004)" in change(saved, f"post.init={base}")
 
 
+def test_a_starting_point_trained_on_meanwhile_does_not_stop_other_commands(tmp_path) -> None:
+    """sft, distill and draft start from post.init once (a resume reads its own checkpoint):
+    the base run saving a newer checkpoint meanwhile refused their resume (found in review).
+    Another run is still refused."""
+    base, other = run_dir(tmp_path / "base"), run_dir(tmp_path / "other", weights="b")
+    teacher = run_dir(tmp_path / "t", weights="t")
+    for command in ("sft", "distill", "draft"):
+        sets = [f"post.teachers=code={teacher}"] if command == "distill" else []
+        saved = record(f"post.init={base}", *sets, command=command)
+        run_dir(base, step=10 + len(command), weights=command)  # base trains on
+        assert change(saved, f"post.init={base}", *sets, command=command) is None, command
+        assert "post.init changed" in change(saved, f"post.init={other}", *sets, command=command)
+
+
 def test_the_objective_and_its_targets_are_recorded(tmp_path) -> None:
     base = run_dir(tmp_path / "base")
     t1, t2 = run_dir(tmp_path / "t1", weights="t1"), run_dir(tmp_path / "t2", weights="t2")

@@ -195,6 +195,8 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     )
     with runtime.span("restore"):
         job.start_step, saved = _resume(job, p.init)
+    if job.start_step > 0 and "post_origin" not in saved:
+        job.drawn_in_order = False  # a run begun before the order changed keeps its shuffle
     if rank == 0:  # only now, as `wanka train` does: a refused resume leaves it as it was
         save_run_config(run_dir, cfg)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).

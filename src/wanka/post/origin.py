@@ -56,7 +56,11 @@ def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
     that a change is named by its cause (post.prompts before the seed of built-in prompts,
     post.divergence before beta)."""
     p = cfg.post
-    out = {"post.init": run_identity(p.init)}
+    # RL reads post.init again at every start (its KL reference): by content. The other
+    # commands start from it once: by location, so that its run training on meanwhile (a
+    # newer checkpoint there) does not stop this one's resume.
+    init = run_identity(p.init) if command == "rl" else [p.init, str(Path(p.init).resolve())]
+    out = {"post.init": init}
     if p.prompts == "builtin":
         seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
         out["post.prompts"] = _plain("builtin")
