@@ -93,6 +93,6 @@ def test_a_folder_or_fifo_where_a_file_belongs_is_named_as_such(tmp_path, capsys
     assert "is not a regular file" in capsys.readouterr().err
     assert main(["generate", str(tmp_path), "--prompts", str(tmp_path)]) == 2
     assert f"prompts file {tmp_path} is a folder" in capsys.readouterr().err
-    for bad in ("-1", "nan", "inf"):
+    for bad in ("-1", "nan", "0"):
         assert main(["clean", "--max-age-h", bad]) == 2
         assert "is not a positive number of hours" in capsys.readouterr().err

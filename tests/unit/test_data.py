@@ -421,3 +421,16 @@ def test_loader_tolerates_empty_documents_in_index(dataset_dir: Path) -> None:
             got = (batch.tokens[row], batch.labels[row], batch.positions[row], batch.doc_ids[row])
             for e, a in zip(expected, got):
                 np.testing.assert_array_equal(a.numpy(), e)
+
+
+def test_a_tokenizer_whose_ids_have_gaps_counts_up_to_its_largest_id(tmp_path: Path) -> None:
+    """vocab_size was the number of tokens: ids above it (an added special token at the end of
+    a reserved range) were masked from generation and overflowed a model sized to the count."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    hf = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "eos": 9}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.vocab_size == 10 and list(tok.encode("a eos")) == [1, 9]

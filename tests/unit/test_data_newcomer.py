@@ -334,3 +334,20 @@ def test_an_out_on_a_read_only_disk_or_empty_is_one_line(tmp_path, capsys):
         assert main_prepare([str(docs)], str(ro / "ds"), None, 0.1, 0) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot write the dataset at" in err and "Read-only" in err and ".tmp-" not in err, err
+
+
+def test_an_unreadable_input_beside_out_is_named_as_the_input(tmp_path, capsys, monkeypatch):
+    """An OSError on an input that sits next to --out was reported as "cannot write the
+    dataset" (found in review): only --out and its staging folder are this command's writes."""
+    import wanka.data.prepare as prep
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some text " * 100)
+
+    def unreadable(f, name):
+        raise PermissionError(13, "Permission denied", str(f))
+
+    monkeypatch.setattr(prep, "_read_documents", unreadable)
+    assert main_prepare([str(notes)], str(tmp_path / "ds"), None, 0.1, 0) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "notes.txt" in err and "cannot write" not in err, err

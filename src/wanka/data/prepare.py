@@ -428,9 +428,12 @@ def main_prepare(
         print(f"wanka data prepare: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        at = Path(os.fsdecode(e.filename)) if e.filename else None
-        ours = at is not None and at.resolve().parent in (Path(out).resolve(),
-                                                         Path(out).resolve().parent)  # fmt: skip
+        at = Path(os.fsdecode(e.filename)).resolve() if e.filename else None
+        dest = Path(out).resolve()
+        # Only what this command writes: --out, or its staging folder beside it (an input
+        # that happens to sit next to --out is an input's problem).
+        ours = at is not None and (at == dest or dest in at.parents or (
+            at.parent == dest.parent and at.name.startswith(f".{dest.name}.")))  # fmt: skip
         if ours:  # a read-only or full disk: "[Errno 30] ... '.dp.tmp-qqp6zlrj'" before
             print(f"wanka data prepare: cannot write the dataset at {out} ({e.strerror}): "
                   "choose another --out, or free space there", file=sys.stderr)  # fmt: skip

@@ -52,7 +52,12 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception
             raise ValueError(f"{self.path} is not a Hugging Face tokenizer.json ({e}); pass "
                              "the tokenizer.json of a model repo, or 'byte'") from None  # fmt: skip
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Ids a model must hold: one past the largest (ids may have gaps, e.g. added special
+        # tokens at the end of a reserved range), not just how many there are.
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(
+            self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
+        )
         # Content hash, so a changed file never reuses a stale prepared dataset.
         self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]
 

@@ -94,8 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1 or more")
     if args.speculate < 0:
         raise ValueError("--speculate must be 0 (off) or a number of draft tokens")
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed {args.seed} is out of range: use 0 .. 2**63 - 1")
+    if not -(2**63) <= args.seed < 2**63:  # what torch's generators take (negatives too)
+        raise ValueError(f"--seed {args.seed} is out of range: use -2**63 .. 2**63 - 1")
     # Drafts past the last token a completion may hold are never kept: not drafted at all.
     args.speculate = min(args.speculate, args.max_new_tokens - 1)
     import torch
@@ -162,7 +162,12 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
         batch = prompts[first : first + args.batch_size]
         ids = encoded[first : first + args.batch_size]
         gen = Generator(
-            model, sampling, args.speculate, (args.seed + first) % 2**63, args.eos, tok.vocab_size
+            model,
+            sampling,
+            args.speculate,
+            (args.seed + first + 2**63) % 2**64 - 2**63,
+            args.eos,
+            tok.vocab_size,
         )
         printer = _Streamer(tok, batch[0]) if stream else None
         out = gen.generate(ids, args.max_new_tokens, printer)

@@ -170,8 +170,11 @@ class FaultLedger:
                     "is a process holding it stuck?"
                 ) from None
             if "full" in msg or "disk I/O" in msg:  # SQLITE_FULL, SQLITE_IOERR
-                raise ValueError(f"fault ledger {self.path}: {_space(self.path, msg)}: free "
-                                 "space there, or point resilience.ledger at another disk") from None  # fmt: skip
+                said = _space(self.path, msg)
+                fix = ("free space there" if said != msg or "full" in msg else "check that "
+                       "disk (a network filesystem's locking, say)")  # fmt: skip
+                raise ValueError(f"fault ledger {self.path}: {said}: {fix}, or point "
+                                 "resilience.ledger at another disk") from None  # fmt: skip
             raise ValueError(
                 f"fault ledger {self.path} is unusable ({msg}): if it is an old ledger, move it "
                 "aside to start a new one; if it is another file, point resilience.ledger "

@@ -80,8 +80,9 @@ def _clean(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, a.set).resilience
     root = a.snapshot_dir or cfg.snapshot_dir
     max_age = cfg.snapshot_max_age_h if a.max_age_h is None else a.max_age_h
-    if not max_age > 0 or max_age == float("inf"):  # (nan and -1 were taken as given)
-        raise ValueError(f"--max-age-h {max_age} is not a positive number of hours")
+    if not max_age > 0:  # (nan and -1 were taken as given; inf: never stale)
+        where = "--max-age-h" if a.max_age_h is not None else "resilience.snapshot_max_age_h"
+        raise ValueError(f"{where} {max_age} is not a positive number of hours")
     places = [(root, "")]
     if a.cluster or a.cluster_state:  # each node's own memory, as the host sees it
         from wanka.cluster.nodes import node_path

@@ -637,6 +637,8 @@ class Supervisor:
             except StopRequested as e:
                 print(f"{self.says} {e}; run the same command again to resume", file=sys.stderr)
                 rc = EXIT_PREEMPTED
+                if self._hosts() and not self.follows:  # hosts that joined stop with us
+                    self.control.abort(f"the coordinator stopped on request: {e}")
             return rc
         except BaseException as e:  # the other hosts' ranks must not wait on ours
             if isinstance(e, ValueError):  # said in one line by the CLI, which exits 2
