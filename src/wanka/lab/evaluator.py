@@ -34,7 +34,7 @@ import torch
 
 from wanka.lab import worker
 from wanka.lab.policy import check_source
-from wanka.lab.servers import Server, Zygote, python_path
+from wanka.lab.servers import ForkServerDied, Server, Zygote, python_path
 from wanka.lab.shm import nbytes_of
 from wanka.lab.task import Shape, Task
 from wanka.lab.verdict import Feedback, Verdict, reject
@@ -206,6 +206,8 @@ def evaluate(task: Task, source: str, cfg: EvalConfig = EvalConfig(),
         fb = job.run(checks, sets, timing_shape)
     except Verdict as v:
         fb = v.fb
+    except ForkServerDied:
+        raise  # the lab itself is broken: no candidate's verdict
     except Exception as e:  # noqa: BLE001  (what a hostile reply provoked ends this one only)
         import traceback
 
@@ -248,7 +250,7 @@ class _Job:
         for srv in self.servers:
             try:
                 srv.reap()
-            except RuntimeError:  # the fork server died: it took the servers with it
+            except ForkServerDied:  # it took the servers with it
                 pass
 
     def compare(self, ref, got, n_out: int, inputs: dict):

@@ -38,6 +38,10 @@ def python_path() -> list[str]:
     return out
 
 
+class ForkServerDied(RuntimeError):
+    """The lab's own machinery failed (not a candidate's doing): ends the run, not a verdict."""
+
+
 class Zygote:
     """Parent's handle on the fork server (zygote.py), started on first use with a scrubbed
     environment: an API key or a secret path in ours never reaches a candidate."""
@@ -57,7 +61,7 @@ class Zygote:
             data = b""
         if not data:
             cls.close()
-            raise RuntimeError("the lab's fork server died (see the errors above)")
+            raise ForkServerDied("the lab's fork server died (see the errors above)")
         return json.loads(data)
 
     @classmethod
