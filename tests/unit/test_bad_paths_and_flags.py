@@ -36,6 +36,10 @@ def test_bad_node_rank_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["check", "--node-rank", "-1"])
     assert "argument --node-rank" in capsys.readouterr().err
+    for port in ("abc", "0", "70000"):  # torchrun printed its own 19-line usage for these
+        with pytest.raises(SystemExit):
+            main(["train", "--master-port", port])
+        assert f"argument --master-port: '{port}' is not a port" in capsys.readouterr().err
 
 
 def test_config_files_as_editors_save_them(tmp_path):

@@ -37,9 +37,19 @@ def _nnodes(text: str) -> str:
     return text.strip()
 
 
+def _port(text: str) -> str:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return text.strip()
+
+
+_port.__name__ = "master_port"
+
+
 def rdzv_flag_type(flag: str):
-    """The argparse type of one of RDZV_FLAGS: counts are checked, the rest pass as text."""
-    return {"nnodes": _nnodes, "node_rank": _count("node_rank", 0),
+    """The argparse type of one of RDZV_FLAGS: counts and the port are checked here (not by
+    torchrun's own 19-line usage), the rest pass as text."""
+    return {"nnodes": _nnodes, "node_rank": _count("node_rank", 0), "master_port": _port,
             "max_restarts": _count("max_restarts", 0)}.get(flag, str)  # fmt: skip
 
 
