@@ -138,3 +138,10 @@ def test_check_without_nproc_checks_the_world_train_would_start(capsys):
     ranks); `wanka check` used to assume one rank and failed the demo's own config."""
     assert main(["check", "configs/demo.toml", "--no-live"]) == 0, capsys.readouterr()
     assert "ready to launch" in capsys.readouterr().out
+
+
+def test_bench_train_rank_counts_are_checked_first(capsys):
+    """--nprocs abc was "invalid literal for int()"; --nprocs 0 ran every case to FAILED."""
+    for bad in ("abc", "0", "1,-2"):
+        assert main(["bench", "train", "--nprocs", bad]) == 2
+        assert "give positive whole numbers" in capsys.readouterr().err

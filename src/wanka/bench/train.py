@@ -337,8 +337,14 @@ def add_ratios(cases: list[dict[str, Any]]) -> None:
                 c["peak_memory_vs_base"] = c["peak_memory_mb"] / base["peak_memory_mb"]
 
 
-def _csv(text: str | None, cast=str) -> tuple | None:
-    return None if text is None else tuple(cast(x.strip()) for x in text.split(",") if x.strip())
+def _csv(text: str | None, cast=str, flag: str = "--nprocs") -> tuple | None:
+    if text is None:
+        return None
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if cast is int and not all(x.isdigit() and int(x) > 0 for x in items):
+        raise ValueError(f"{flag} {text!r}: give positive whole numbers separated by commas, "
+                         "e.g. 1,2")  # fmt: skip
+    return tuple(map(cast, items))
 
 
 COMPILE_CHOICES = {"off": (False,), "on": (True,), "both": (False, True)}
