@@ -145,3 +145,12 @@ def test_bench_train_rank_counts_are_checked_first(capsys):
     for bad in ("abc", "0", "1,-2"):
         assert main(["bench", "train", "--nprocs", bad]) == 2
         assert "give positive whole numbers" in capsys.readouterr().err
+
+
+def test_model_flavor_given_twice_or_a_sequence_it_cannot_hold_is_refused(capsys):
+    """`wanka model tiny --set model.flavor=small` reported small; `--seq-len 99999999`
+    printed a 63 TB estimate for a length training refuses."""
+    assert main(["model", "tiny", "--set", "model.flavor=small"]) == 2
+    assert "the flavor is given twice" in capsys.readouterr().err
+    assert main(["model", "tiny", "--seq-len", "99999999"]) == 2
+    assert "> model.max_seq_len=" in capsys.readouterr().err

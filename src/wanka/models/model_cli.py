@@ -138,6 +138,10 @@ def model_main(args: argparse.Namespace) -> int:
 
     overrides = list(args.set)
     if args.flavor:
+        named = [o for o in overrides if o.partition("=")[0].strip() == "model.flavor"]
+        if named:  # (the --set won silently)
+            return _fail(f"the flavor is given twice ({args.flavor} and --set {named[-1]}): "
+                         "keep one")  # fmt: skip
         overrides.insert(0, f'model.flavor="{args.flavor}"')
     try:
         cfg = load_config(args.config, overrides)
@@ -160,6 +164,9 @@ def model_main(args: argparse.Namespace) -> int:
                      "borrows its ranks from data and context parallelism)")  # fmt: skip
     if lay["seq_len"] < 1 or lay["micro_batch"] < 1:
         return _fail("--seq-len and --micro-batch must be positive")
+    if lay["seq_len"] > m.max_seq_len:  # training refuses it: no estimate for what cannot run
+        return _fail(f"--seq-len {lay['seq_len']} > model.max_seq_len={m.max_seq_len} of "
+                     f"{m.flavor}: lower it, or --set model.max_seq_len={lay['seq_len']}")  # fmt: skip
     if cp > 1 and lay["ac"] != "off":
         return _fail("context parallelism (--cp > 1) runs without activation checkpointing: "
                      "add --ac off")  # fmt: skip
