@@ -170,6 +170,9 @@ ATTACKS = {
     "atk_x_noiso_sparse_stderr": Attack(
         "x", "fwd_bwd", "without the sandbox: a sparse 1 TiB stderr, read whole by the "
         "evaluator (MemoryError)", isolate=False),
+    "atk_x_sysv_shm": Attack(
+        "x", "fwd_bwd", "audit hook emptied through its closure cell, then SysV shared memory "
+        "segments, detached: twice RLIMIT_AS held outside every limit", memory_gib=2.0),
     "atk_x_shut_read": Attack(
         "x", "fwd_bwd", "a forged forward half, then shutdown(SHUT_RD): the evaluator's send "
         "raised BrokenPipeError"),
@@ -249,7 +252,8 @@ class Boundary:
         dump = repr(fb.to_dict()) + fb.summary()
         for what, value in (("secret file content", self.secret), ("API key", self.api_key),
                             ("history HMAC key", self.history_key.hex() if self.history_key else None),
-                            ("memory-limit escape", "REDTEAM-MEMFD")):  # fmt: skip
+                            ("memory-limit escape", "REDTEAM-MEMFD"),
+                            ("SysV memory escape", "REDTEAM-SYSV")):  # fmt: skip
             if value and value in dump:
                 out.append(f"leak: {what} in the Feedback")
         return out

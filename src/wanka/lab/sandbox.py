@@ -39,7 +39,10 @@ DENY = (
     "io_uring_enter io_uring_register bpf perf_event_open keyctl add_key request_key "
     "kexec_load kexec_file_load init_module finit_module delete_module userfaultfd "
     "personality open_by_handle_at name_to_handle_at pidfd_getfd kcmp sched_setaffinity "
-    "sched_setscheduler sched_setattr"
+    "sched_setscheduler sched_setattr "
+    # SysV IPC: a detached shared-memory segment counts against no rlimit (4 GiB held at a
+    # 2 GiB limit, in a red-team review); queues and semaphores are no kernel's business either.
+    "shmget shmat shmdt shmctl msgget msgsnd msgrcv msgctl semget semop semtimedop semctl"
 ).split()
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C  # ioctls that type into (or read) the caller's terminal
 

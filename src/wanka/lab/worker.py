@@ -456,7 +456,9 @@ def start(sock: socket.socket, spec: dict) -> None:
             untrusted[name] = Path(k["file"]).read_text()
     # memfds hold memory no rlimit counts (RLIMIT_FSIZE caps one, not how many): a CPU kernel
     # needs none. CUDA's runtime may, so there the memory limit is weaker.
-    deny = ("memfd_create",) if device == "cpu" else ()
+    # Nor truncate: without the sandbox the shared buffer's path is reachable, and a buffer cut
+    # short is a SIGBUS in the evaluator, which maps it too.
+    deny = ("memfd_create", "truncate", "ftruncate") if device == "cpu" else ()
     if spec["isolate"]:
         limits = sandbox.Limits(memory_bytes=spec["memory_bytes"], cpu_s=spec["cpu_s"])
         sandbox.enter(hide=spec["hide"], expose=spec["expose"], limits=limits,
