@@ -76,3 +76,13 @@ def test_empty_or_nul_paths_are_config_errors():
                                    ('run.dir="a\\u0000b"', "run.dir", "holds a NUL character")):  # fmt: skip
         with pytest.raises(ConfigError, match=f"{field}: {words}"):
             load_config(None, [override])
+
+
+def test_cp_needs_enough_tokens_per_group_for_its_layout():
+    """seq_len 3 at cp=4 started the ranks, then failed twice (a rank with no tokens)."""
+    for layout, seq in (("head_tail", 7), ("dynamic", 3)):
+        with pytest.raises(ConfigError, match="cannot give each of cp=4 ranks"):
+            load_config(None, ["parallel.cp=4", f'parallel.cp_layout="{layout}"',
+                               f"data.seq_len={seq}", "train.micro_batch_size=1"])  # fmt: skip
+    load_config(None, ["parallel.cp=4", 'parallel.cp_layout="head_tail"', "data.seq_len=8",
+                       "train.micro_batch_size=1"])  # fmt: skip

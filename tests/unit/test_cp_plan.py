@@ -375,3 +375,25 @@ def test_a_cost_model_with_non_finite_coefficients_is_refused(bad):
     plan give one rank twice its budget (found by an attacker)."""
     with pytest.raises(ValueError, match="finite"):
         CostModel(**bad)
+
+
+def test_degenerate_cost_coefficients_never_give_overlapping_or_lopsided_plans():
+    """A cost file with 5e-324 underflowed the shares' arithmetic: 8 tokens handed out for a
+    7-token document, two pieces overlapping on one rank, and training ran on with a wrong
+    loss. 1e308 made every load inf and one rank took 254 of 256 tokens. Such coefficients
+    are refused; the shares always sum to the document, and a full rank is never picked."""
+    from wanka.distributed import cp_dynamic
+    from wanka.distributed.cp_cost import CostModel
+
+    for coefs in ((5e-324, 0, 0, 64), (1e308, 1e308, 1e308, 64), (1e-3, 1e31, 0, 64)):
+        with pytest.raises(ValueError, match=r"lie in \[1e-30, 1e30\]"):
+            CostModel(*coefs)
+    shares = cp_dynamic._token_shares(np.array([1e-322, 0.0, 0.0]), np.array([95, 95, 95]), 7,
+                                      7 * 5e-324)  # fmt: skip
+    assert shares.sum() == 7 and (shares >= 0).all()
+    state = cp_dynamic._State.__new__(cp_dynamic._State)
+    state.load = np.array([np.inf, np.inf, np.inf])
+    state.tokens = np.array([95, 10, 10])
+    state.max_tokens = 95
+    state.heap = [(np.inf, 0)] * 40  # 32 full ones in a row: the vector scan decides
+    assert state.least_loaded_with_room(5) in (1, 2)

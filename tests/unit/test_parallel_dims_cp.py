@@ -57,6 +57,11 @@ def test_cp_cost_file_is_read_or_refused_in_one_line(tmp_path):
     assert _cp_cost(cfg).gather == CostModel().gather  # not in the file: the built-in estimate
     good.write_text('{"linear": 1e-4, "sparse": 2e-6, "dense": 3e-8, "topk": 64, "gather": 0}')
     assert _cp_cost(cfg).gather == 0.0  # a file may set it (0: gathers are free)
+    other_k = load_config(
+        None, ["parallel.cp=2", "model.index_topk=32", f'parallel.cp_cost="{good}"']
+    )
+    with pytest.raises(ConfigError, match="fitted for index_topk 64, this model has 32"):
+        _cp_cost(other_k)  # (a cost per token of another attention: planned silently before)
     negative = tmp_path / "neg.json"
     negative.write_text('{"linear": 1e-4, "sparse": 0, "dense": 0, "topk": 64, "gather": -1}')
     with pytest.raises(ConfigError, match="parallel.cp_cost.*not a"):

@@ -117,7 +117,10 @@ def length_summary(lengths: np.ndarray, source: str) -> dict:
 
 def read_cost(path: Path) -> CostModel:
     """The fitted cost model of a measured run's JSON (or a JSON of just its fields)."""
-    return load_cost(path, "--cost")
+    try:
+        return load_cost(path, "--cost")
+    except OSError as e:  # (a folder: a traceback, while training said it in one line)
+        raise ValueError(str(e)) from None
 
 
 def _check_seq_lens(seq_lens: tuple[int, ...], cp: int) -> None:

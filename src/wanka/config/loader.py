@@ -236,6 +236,13 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("parallel.cp", f"cp={cfg.parallel.cp} does not divide data.seq_len={d.seq_len}",
                           "the contiguous layout cuts each row into cp equal chunks: pick a divisor, "
                           "or parallel.cp_layout='head_tail' / 'dynamic'")  # fmt: skip
+    need = 2 * cfg.parallel.cp if cfg.parallel.cp_layout == "head_tail" else cfg.parallel.cp
+    if cfg.parallel.cp > 1 and d.seq_len * cfg.train.micro_batch_size < need:  # (else a rank
+        # of each group gets no tokens: found only after the ranks started, and a restart)
+        raise ConfigError("data.seq_len", f"{d.seq_len} tokens x micro_batch_size "
+                          f"{cfg.train.micro_batch_size} cannot give each of cp={cfg.parallel.cp} "
+                          f"ranks its {cfg.parallel.cp_layout} share (at least {need} tokens)",
+                          "raise data.seq_len or lower parallel.cp")  # fmt: skip
     if cfg.parallel.cp_max_span and cfg.parallel.cp_max_span < cfg.parallel.cp:
         raise ConfigError("parallel.cp_max_span", f"{cfg.parallel.cp_max_span} is below parallel.cp={cfg.parallel.cp}",
                           "use 0 (any number of ranks) or a multiple of cp")  # fmt: skip

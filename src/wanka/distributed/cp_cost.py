@@ -68,6 +68,11 @@ class CostModel:
             raise ValueError(
                 f"cost model needs finite, non-negative, not all zero coefficients: {self}"
             )
+        # Seconds per token or pair: 5e-324 underflowed the planner's arithmetic (pieces
+        # overlapped: a wrong loss), 1e308 overflowed it (every load inf).
+        if any(c and not 1e-30 <= c <= 1e30 for c in (*coefs, self.gather)):
+            raise ValueError(f"cost model coefficients must lie in [1e-30, 1e30] seconds (or be "
+                             f"0): {self}; fit them with a measured `wanka bench cp` run")  # fmt: skip
 
     def terms(
         self, start: np.ndarray | int, end: np.ndarray | int

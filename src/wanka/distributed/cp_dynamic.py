@@ -89,7 +89,8 @@ class _State:
                 break
         if len(skipped) == 32:  # many ranks are full: one vector scan is cheaper
             ok = self.tokens + n <= self.max_tokens
-            found = int(np.argmin(np.where(ok, self.load, np.inf))) if ok.any() else -1
+            # (not argmin over inf-masked loads: with every load inf, that picks a full rank)
+            found = int(np.flatnonzero(ok)[np.argmin(self.load[ok])]) if ok.any() else -1
         for entry in skipped:
             heapq.heappush(self.heap, entry)
         return found
@@ -124,6 +125,8 @@ def _token_shares(loads: np.ndarray, rooms: np.ndarray, n: int, c: float) -> np.
         for j in open_[np.argsort(-frac[open_], kind="stable")][: n - shares.sum()]:
             shares[j] += 1
         frac[:] = 0.0
+    while shares.sum() > n:  # rounding past n (never by normal coefficients): take it back
+        shares[np.argmax(shares)] -= 1
     return shares
 
 

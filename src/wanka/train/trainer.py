@@ -156,10 +156,15 @@ def _cp_cost(cfg: JobConfig) -> CostModel:
     if not cfg.parallel.cp_cost:
         return CostModel(topk=cfg.model.index_topk)
     try:
-        return load_cost(cfg.parallel.cp_cost, "parallel.cp_cost")
+        cost = load_cost(cfg.parallel.cp_cost, "parallel.cp_cost")
     except (OSError, ValueError) as e:
         raise ConfigError("parallel.cp_cost", str(e), "run `wanka bench cp` and point it at "
                           "its JSON, or set it to \"\"") from None  # fmt: skip
+    if cost.topk != cfg.model.index_topk:  # (planned with another attention's cost per token)
+        raise ConfigError("parallel.cp_cost", f"{cfg.parallel.cp_cost} was fitted for index_topk "
+                          f"{cost.topk}, this model has {cfg.model.index_topk}",
+                          "fit it again with `wanka bench cp` for this model, or set it to \"\"")  # fmt: skip
+    return cost
 
 
 def _optimizer_field(message: str) -> str:
