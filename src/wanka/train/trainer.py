@@ -160,11 +160,9 @@ def _cp_cost(cfg: JobConfig) -> CostModel:
     except (OSError, ValueError) as e:
         raise ConfigError("parallel.cp_cost", str(e), "run `wanka bench cp` and point it at "
                           "its JSON, or set it to \"\"") from None  # fmt: skip
-    if cost.topk != cfg.model.index_topk:  # (planned with another attention's cost per token)
-        raise ConfigError("parallel.cp_cost", f"{cfg.parallel.cp_cost} was fitted for index_topk "
-                          f"{cost.topk}, this model has {cfg.model.index_topk}",
-                          "fit it again with `wanka bench cp` for this model, or set it to \"\"")  # fmt: skip
-    return cost
+    # Seconds per token and per pair carry over; how many pairs a position has is this model's
+    # (a file fitted at another index_topk counted pairs up to that k: mis-planned silently).
+    return dataclasses.replace(cost, topk=cfg.model.index_topk)
 
 
 def _optimizer_field(message: str) -> str:
