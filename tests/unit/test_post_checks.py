@@ -213,14 +213,14 @@ def test_overrides_the_command_drops_or_never_reads_are_said(capsys) -> None:
     """`wanka sft --set model.dim=64` trained post.init's model (128) and wrote no word;
     `wanka distill --set post.samples_per_prompt=3` changed nothing, silently."""
     from wanka.cli import main
-    from wanka.post.cli import _check_overrides
+    from wanka.post.cli import _say_unused
 
     assert main(["sft", "configs/sft.toml", "--set", "model.dim=64"]) == 2
     err = capsys.readouterr().err
     assert "--set model.dim: post-training takes [model] and [data] from post.init's run" in err
-    _check_overrides("distill", ["post.samples_per_prompt=3", "post.beta=0.3", "train.lr=1e-4"])
+    _say_unused("distill", ["post.samples_per_prompt=3", "post.beta=0.3", "train.lr=1e-4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["wanka distill: --set post.samples_per_prompt changes nothing here (it is for "
                    "`wanka rl`)"], err  # fmt: skip
-    _check_overrides("sft", ["post.teachers=code=x"])  # sft reads teachers too
+    _say_unused("sft", ["post.teachers=code=x"])  # sft reads teachers too
     assert capsys.readouterr().err == ""

@@ -45,6 +45,8 @@ def _post(args: argparse.Namespace) -> int:
     # Validated once post.init's [model] is in: parallel.ep is judged against its experts.
     cfg = with_policy_model(load_config(args.config, args.set, check=False))
     getattr(_module(args.cmd), f"check_{args.cmd}")(cfg)
+    if not inside_torchrun():  # once, and only for a config that is valid (an error: one line)
+        _say_unused(args.cmd, args.set)
     if inside_torchrun():
         return _rank(args.cmd, cfg)
     if args.nproc < 1:
@@ -78,6 +80,11 @@ def _check_overrides(cmd: str, overrides: list[str]) -> None:
         if key.startswith(("model.", "data.")):
             raise ValueError(f"--set {key}: post-training takes [model] and [data] from "
                              "post.init's run (the policy is that model); drop it")  # fmt: skip
+
+
+def _say_unused(cmd: str, overrides: list[str]) -> None:
+    for item in overrides:
+        key = item.partition("=")[0].strip()
         name = key.removeprefix("post.")
         if key.startswith("post.") and cmd not in _ONLY_FOR.get(name, (cmd,)):
             print(f"wanka {cmd}: --set {key} changes nothing here (it is for `wanka "
