@@ -397,3 +397,41 @@ def test_degenerate_cost_coefficients_never_give_overlapping_or_lopsided_plans()
     state.max_tokens = 95
     state.heap = [(np.inf, 0)] * 40  # 32 full ones in a row: the vector scan decides
     assert state.least_loaded_with_room(5) in (1, 2)
+
+
+def test_dynamic_splits_a_document_by_cost_not_by_tokens_under_dsa_topk() -> None:
+    """DSA reads min(p + 1, topk) keys per query: with topk a quarter of the document the
+    front chunk is cheap, so equal-token head-tail chunks leave one rank a seventh short of
+    its peers; the dynamic plan's pairs are cut by modelled cost."""
+    dsa = CostModel(linear=0.0, sparse=1e-6, dense=0.0, topk=2048)
+    rows = [[[8192]]]
+    head_tail = plan_step(rows, 4, "head_tail", dsa).imbalance(dsa)
+    assert head_tail > 1.12
+    roomy = plan_step(rows, 4, "dynamic", dsa, max_tokens_per_rank=8192)
+    check_plan(rows, roomy)
+    assert roomy.imbalance(dsa) < 1.01
+    budget = plan_step(rows, 4, "dynamic", dsa)  # mean + 10% tokens: the room binds
+    check_plan(rows, budget)
+    assert budget.tokens_per_rank().max() <= 2253
+    assert budget.imbalance(dsa) < head_tail - 0.05
+
+
+def test_cost_balanced_cuts_tile_the_document_within_each_room() -> None:
+    from wanka.distributed.cp_dynamic import _cost_balanced_cuts
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        cost = CostModel(linear=float(rng.choice([0.0, 1e-4])), sparse=float(rng.random()) * 1e-6,
+                         dense=float(rng.choice([0.0, 1e-9])), topk=int(rng.integers(1, 5000)))  # fmt: skip
+        n, m = int(rng.integers(1, 50_000)), int(rng.integers(1, 9))
+        shares = rng.multinomial(n, rng.dirichlet(np.ones(m)))
+        rooms = shares + rng.integers(0, n, m)
+        cuts = _cost_balanced_cuts(cost, shares, rooms, n)
+        held = np.zeros(n, dtype=np.int64)
+        for rank, start, end in cuts.tolist():
+            assert shares[rank] > 0 and 0 <= start < end <= n
+            held[start:end] += 1
+        assert np.all(held == 1)
+        per_rank = np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=m)
+        last = int(np.flatnonzero(shares)[-1])  # takes the middle left: may pass its room
+        assert np.all(np.delete(per_rank <= rooms, last))

@@ -150,7 +150,8 @@ def _machine() -> dict:
 
 def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple[int, ...],
                  steps: int, dp: int, cp: int, nproc: int, seed: int,
-                 cost: CostModel | None, replay: int = 0) -> dict:  # fmt: skip
+                 cost: CostModel | None, replay: int = 0, index_topk: int | None = None,
+                 ) -> dict:  # fmt: skip
     """replay > 0: no spawned ranks; each rank replayed alone that many times (cp_replay.py)."""
     from wanka.bench.cp_worker import spawn_ranks
     from wanka.distributed.cp_sim import draw_rows
@@ -159,8 +160,10 @@ def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple
         raise ValueError(f"--nproc {nproc} must equal --dp {dp} x --cp {cp}")
     _check_seq_lens(seq_lens, cp)
     model = {**MODEL, "max_seq_len": max(seq_lens)}  # RoPE tables cover the longest document
+    if index_topk is not None:
+        model["index_topk"] = index_topk
     if cost is not None and cost.topk != model["index_topk"]:
-        raise ValueError(f"--cost has topk {cost.topk}; this model's index_topk is "
+        raise ValueError(f"--cost has topk {cost.topk}; this model's index_topk (--index-topk) is "
                          f"{model['index_topk']}")  # fmt: skip
     calib = 0 if cost else CALIB_STEPS
     rows = []  # per seq len: warm-up, calibration, timed steps; each dp rows of fragments
@@ -281,6 +284,9 @@ def _given(value: int | None, default: int, flag: str) -> int:
 def bench_cp_main(args) -> int:
     """The CLI entry (argparse namespace of `wanka bench cp`)."""
     cost = read_cost(Path(args.cost)) if args.cost else None  # cheap checks first
+    topk = args.index_topk
+    if topk is not None and not 1 <= topk <= 1 << 20:
+        raise ValueError(f"--index-topk must be in 1..{1 << 20}, got {topk}")
     lengths_path = Path(args.lengths) if args.lengths else None
     lengths = read_lengths(lengths_path) if lengths_path else builtin_lengths()
     source = str(lengths_path) if lengths_path else "builtin corpus (bytes per document)"
@@ -293,6 +299,8 @@ def bench_cp_main(args) -> int:
     if args.simulate:
         ranks = _ints(args.ranks, "--ranks") or (64, 256, 1024)
         out = Path(args.out or "runs/bench/cp_simulate.json")
+        if topk is not None:
+            cost = dataclasses.replace(cost or CostModel(), topk=topk)
         run_simulated(lengths, source, out, ranks=ranks, cp=_given(args.cp, 8, "--cp"),
                       seq_lens=seq_lens, steps=_given(args.steps, SIM_STEPS, "--steps"),
                       seed=args.seed, cost=cost, cost_source=str(args.cost))  # fmt: skip
@@ -303,5 +311,6 @@ def bench_cp_main(args) -> int:
     repeats = _given(args.repeats, REPLAY_REPEATS, "--repeats") if args.replay else 0
     run_measured(lengths, source, Path(args.out or "runs/bench/cp.json"), seq_lens=seq_lens,
                  steps=_given(args.steps, preset["steps"], "--steps"), dp=dp, cp=cp,
-                 nproc=nproc, seed=args.seed, cost=cost, replay=repeats)  # fmt: skip
+                 nproc=nproc, seed=args.seed, cost=cost, replay=repeats,
+                 index_topk=topk)  # fmt: skip
     return 0

@@ -39,6 +39,10 @@ def add_bench_cp_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="--replay: runs of each rank's share per step, fastest kept (default "
                         "3)")  # fmt: skip
+    p.add_argument("--index-topk", type=int, default=None, metavar="K",
+                   help="keys each query's sparse attention reads: the bench model's index_topk "
+                        "(default 256; the production shape's is 2048); --simulate: the top-k "
+                        "the cost model counts pairs up to (default the --cost file's)")  # fmt: skip
     p.add_argument("--ranks", default=None, help="simulate: rank counts (default 64,256,1024)")
     p.add_argument("--out", default=None,
                    help="JSON result; .md and .png beside it (default runs/bench/cp.json, "

@@ -143,6 +143,48 @@ def _head_tail_cuts(shares: np.ndarray, n: int) -> np.ndarray:
     return cuts[cuts[:, 2] > cuts[:, 1]]
 
 
+def _piece_cost(cost: CostModel, s: int, e: int) -> float:
+    """cost.cost(s, e) for one piece in Python scalars (the bisection below calls it often)."""
+    hs, he = min(s, cost.topk), min(e, cost.topk)
+    sparse = he * (he + 1) // 2 + (e - he) * cost.topk - hs * (hs + 1) // 2 - (s - hs) * cost.topk
+    dense = e * (e + 1) // 2 - s * (s + 1) // 2
+    return cost.linear * (e - s) + cost.sparse * sparse + cost.dense * dense
+
+
+def _cost_balanced_cuts(
+    cost: CostModel, shares: np.ndarray, rooms: np.ndarray, n: int
+) -> np.ndarray:
+    """Like ``_head_tail_cuts``, but each rank's front + back pair is sized to the COST of its
+    token share at the document's average cost per token, not to its token count.
+
+    Equal token chunks balance a cost linear or quadratic in position (what head-tail is
+    for), not DSA's min(p + 1, topk): at topk 2048 and 8k-token documents the first chunk
+    costs about half of the others, and the rank holding it a seventh less than its peers. So
+    ranks in order take a front chunk and an equally long back chunk whose modelled cost
+    meets their target (bisection on the length, at most the rank's token room; what a room
+    leaves undone is shared out over the ranks after it); the last takes the middle."""
+    j = np.flatnonzero(shares)
+    targets = shares[j] * (_piece_cost(cost, 0, n) / n)
+    rows, a, e = [], 0, n
+    for i, rank in enumerate(j.tolist()):
+        if i == len(j) - 1:
+            rows.append((rank, a, e))
+            break
+        left = _piece_cost(cost, a, e)  # what the remaining ranks must take, shared as planned
+        target = left * float(targets[i] / targets[i:].sum())
+        lo, hi = 0, min((e - a) // 2, int(rooms[rank]) // 2)  # largest pair within target
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _piece_cost(cost, a, a + mid) + _piece_cost(cost, e - mid, e) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        rows += [(rank, a, a + lo), (rank, e - lo, e)]
+        a, e = a + lo, e - lo
+    cuts = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return cuts[cuts[:, 2] > cuts[:, 1]]
+
+
 def _split(state: _State, cost: CostModel, n: int, c: float, limit: float):
     """Best split over one CP group: (group, [group-local rank, start, end], their costs,
     the group's new max cost), or None when no group has room."""
@@ -161,10 +203,16 @@ def _split(state: _State, cost: CostModel, n: int, c: float, limit: float):
     tiny = (shares > 0) & (shares < n / (4 * cp))
     if tiny.any() and rooms[g][~tiny].sum() >= n:
         shares = _token_shares(loads[g], np.where(tiny, 0, rooms[g]), n, c)
-    cuts = _head_tail_cuts(shares, n)
-    piece_cost = cost.cost(cuts[:, 1], cuts[:, 2])
-    new = loads[g] + np.bincount(cuts[:, 0], weights=piece_cost, minlength=cp)
-    return g, cuts, piece_cost, float(new.max())
+    best = None
+    for cuts in (_head_tail_cuts(shares, n), _cost_balanced_cuts(cost, shares, rooms[g], n)):
+        held = np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=cp)
+        if np.any(held > rooms[g]):  # the cost-balanced pairs moved tokens past a room
+            continue
+        piece_cost = cost.cost(cuts[:, 1], cuts[:, 2])
+        new = float((loads[g] + np.bincount(cuts[:, 0], weights=piece_cost, minlength=cp)).max())
+        if best is None or new < best[3]:
+            best = (g, cuts, piece_cost, new)
+    return best
 
 
 def _greedy(
