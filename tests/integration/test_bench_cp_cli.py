@@ -53,7 +53,8 @@ def test_bench_cp_replay_on_a_length_file(tmp_path):
     lengths.write_text("\n".join(str(n) for n in (40, 300, 900, 2500)))
     out = tmp_path / "replay.json"
     r = wanka("bench", "cp", "--replay", "--repeats", "2", "--dp", "2", "--cp", "2",
-              "--lengths", str(lengths), "--seq-len", "1024", "--steps", "1", "--out", str(out))  # fmt: skip
+              "--lengths", str(lengths), "--seq-len", "1024", "--steps", "1", "--index-topk", "64",
+              "--out", str(out))  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["mode"] == "replay" and doc["setup"]["replay_repeats"] == 2
@@ -65,4 +66,5 @@ def test_bench_cp_replay_on_a_length_file(tmp_path):
         # Replay's step is its busiest rank: tokens/s is the compute-bound figure.
         assert s["tokens_per_s"] == pytest.approx(s["compute_bound_tokens_per_s"])
     assert doc["fit"]["samples"] == 4 * (2 * 2 + 3)
+    assert doc["setup"]["model"]["index_topk"] == 64 and doc["cost_model"]["topk"] == 64
     assert "targets at 1024 tokens" in r.stdout

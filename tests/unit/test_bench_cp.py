@@ -152,3 +152,17 @@ def test_bad_cost_file_and_ranks_exit_2(tmp_path, capsys):
     argv = ["bench", "cp", "--simulate", "--lengths", str(lengths), "--cp", "8", "--ranks", "12"]
     assert main(argv) == 2
     assert "--ranks 12 must be a positive multiple of --cp 8" in capsys.readouterr().err
+
+
+def test_index_topk_flag_is_checked_and_reaches_the_simulated_cost(tmp_path, capsys):
+    lengths = tmp_path / "l.txt"
+    lengths.write_text("100\n3000\n9000\n")
+    base = ["bench", "cp", "--simulate", "--lengths", str(lengths), "--cp", "2", "--ranks", "4",
+            "--seq-len", "4096", "--steps", "1"]  # fmt: skip
+    for bad in ("0", "-5", str((1 << 20) + 1)):
+        assert main([*base, "--index-topk", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--index-topk must be in 1..1048576" in err and len(err.splitlines()) == 1
+    out = tmp_path / "sim.json"
+    assert main([*base, "--index-topk", "512", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["cost_model"]["topk"] == 512

@@ -149,3 +149,29 @@ def test_jsonl_prompts_are_shuffled_every_pass(k) -> None:
 
     assert prompt_order(50, k, 0, drawn_in_order=False) != list(range(50))
     assert (prompt_order(50, k, 0, drawn_in_order=True) == list(range(50))) == (k == 0)
+
+
+def test_a_user_reward_edited_in_place_is_another_reward(tmp_path, monkeypatch) -> None:
+    """The reward was recorded by name only: an edit to a user reward's module resumed
+    silently, mixing two rewards in one run's curve."""
+    base, pkg = run_dir(tmp_path / "base"), tmp_path / "mods"
+    pkg.mkdir()
+    module = pkg / "my_reward_mod.py"
+    module.write_text("def score(prompt, completion, domain):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    sets = (f"post.init={base}", "post.reward=my_reward_mod:score")
+    saved = record(*sets)
+    assert change(saved, *sets) is None
+    module.write_text("def score(prompt, completion, domain):\n    return 0.5\n")
+    assert change(saved, *sets) == (
+        f"post.reward=my_reward_mod:score (code in {module}) holds other content than when the "
+        "run started: use a new run.dir, or restore it"
+    )
+    # Recorded before the code was: resumes as it did. Built-ins have no code entry.
+    older = json.loads(saved)
+    del older["post.reward:code"]
+    assert change(json.dumps(older), *sets) is None
+    assert "post.reward:code" not in json.loads(record(f"post.init={base}"))
+    # A module that cannot be found is left to the reward's loader to name.
+    assert "post.reward:code" not in json.loads(record(f"post.init={base}",
+                                                       "post.reward=no_such_mod_xyz:f"))  # fmt: skip

@@ -11,9 +11,10 @@ within each dp group's own rows; the plan with the lower maximum is kept (``assi
    ``(1 + tolerance) * mean`` cost: a whole document needs no key/value exchange.
 2. Otherwise it is split over the ranks of ONE block of ``span`` ranks (a CP group at first):
    the block whose ranks it can be water-filled onto at the lowest level, preferring blocks
-   that already exchange keys (so the others can skip the all-gather). Each rank's token share is proportional to its
-   cost share and is cut head-tail (a front chunk and the mirrored back chunk), so the share's
-   cost is close to the document's average cost per token whatever its size.
+   that already exchange keys (so the others can skip the all-gather). Each rank gets a front
+   chunk and an equally long back chunk (head-tail) whose modelled cost meets its water-filled
+   share; cut by cost, not by tokens, because DSA's min(p + 1, topk) makes a document's first
+   topk positions cheap (equal-token chunks are kept when they give the lower maximum).
 
 3. When the busiest rank is still more than 2% above the mean and some document costs more
    than the mean even spread over a CP group (e.g. a long document in one dp group's rows,

@@ -8,6 +8,7 @@ against the step-0 teacher_eval of the old teachers."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def file_identity(path: str) -> Entry:
         return [path, "sha256:" + _sha256(Path(path).read_bytes())]
     except OSError:
         return [path, str(Path(path).resolve())]
+
+
+def reward_code_identity(spec: str) -> Entry | None:
+    """A user reward ``package.module:function`` by the content of its module's source file
+    (found without importing it); None for a built-in, or a module without a readable file."""
+    module_name, sep, _ = spec.partition(":")
+    if not sep or not module_name:
+        return None
+    try:
+        found = importlib.util.find_spec(module_name)
+        path = Path(found.origin) if found and found.origin else None
+        data = path.read_bytes() if path and path.suffix == ".py" else None
+    except (Exception, SystemExit):  # its parent package failed to import, ...: the reward's
+        # own loader names that, as before
+        return None
+    if data is None:
+        return None
+    return [f"{spec} (code in {path})", "sha256:" + _sha256(data)]
 
 
 def _sha256(data: bytes) -> str:
@@ -80,6 +99,9 @@ def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
         out["post.on_policy_fraction"] = _plain(p.on_policy_fraction)
     if command == "rl":
         out["post.reward"] = _plain(p.reward)
+        code = reward_code_identity(p.reward)
+        if code is not None:  # a user's reward: an edit to its module changes what is rewarded
+            out["post.reward:code"] = code
         out["post.kl_coef"] = _plain(p.kl_coef)
     if command == "sft":
         out["post.sft_source"] = _plain(p.sft_source)
