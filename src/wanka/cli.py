@@ -77,6 +77,7 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state,
                                  spare_nodes=cfg.resilience.spare_nodes)  # fmt: skip
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
+    hosts = nnodes  # hot spares included: a fault's node=N numbers every host
     r = cfg.resilience
     if r.supervise and r.control == "store" and nnodes > 1 and r.spare_nodes:  # hot spares
         if r.spare_nodes >= nnodes:
@@ -104,7 +105,7 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         from wanka.resilience.chaos import parse_schedule
         from wanka.resilience.supervisor import Supervisor
 
-        chaos = parse_schedule(args.chaos, args.nproc * nnodes) if args.chaos else None
+        chaos = parse_schedule(args.chaos, args.nproc * nnodes, hosts) if args.chaos else None
         return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
     if args.chaos:  # the supervisor injects faults: without it they would silently not happen
         raise ValueError("--chaos needs the supervisor: drop resilience.supervise=false")
@@ -356,9 +357,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what the run lock records
     from wanka.config import ConfigError  # no torch import before the input is judged
+    from wanka.train.run_lock import StoppedBeforeStart
 
     try:
         return args.fn(args)
+    except StoppedBeforeStart as e:  # SIGTERM between the run lock and the job's own handlers
+        print(f"wanka {args.cmd}: {e}", file=sys.stderr, flush=True)
+        return 75  # EX_TEMPFAIL, as a job stopped on request: run it again
     except (ConfigError, ValueError, FileNotFoundError) as e:  # ParallelError is a ValueError
         from wanka.resilience.heartbeat import mark_exit
 

@@ -24,7 +24,7 @@ def test_failing_node_is_evicted_and_job_finishes(wanka_cluster, tmp_path, contr
             f'resilience.ledger="{tmp_path / "faults.sqlite"}"', "resilience.evict_same_cause=2"]  # fmt: skip
     r = subprocess.run(
         [sys.executable, "-m", "wanka.cli", "train", "configs/demo.toml", "--cluster", "--nproc", "1",
-         "--cluster-state", wanka_cluster.state_dir, "--chaos", "fail_start@node=1,times=5",
+         "--cluster-state", wanka_cluster.state_dir, "--chaos", "fail_start@node=1,times=5,counted=1",
          *sum((["--set", s] for s in sets), [])],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

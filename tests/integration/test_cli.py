@@ -66,12 +66,17 @@ def test_error_inside_ranks_is_one_line(trained):
 
 
 def test_rerun_resumes_and_finishes(trained):
-    """Running the same job again finds the final checkpoint and does no extra steps."""
+    """Running the same job again finds the final checkpoint, does no extra steps and says so;
+    the finished run's summary and metrics stay as they were (a rerun overwrote the summary
+    with nulls and logged a second final eval)."""
     run_dir, _ = trained
+    before = {f: (run_dir / f).read_bytes() for f in ("summary.json", "metrics.jsonl")}
+    assert json.loads(before["summary.json"])["train_loss"] is not None
     r = wanka("train", "configs/demo.toml", "--set", "train.steps=4", "--set", "parallel.ep=1",
               "--set", "data.val_batches=2", "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["resumed_from_step"] == 4
+    assert "already finished its 4 steps: nothing to train" in r.stdout + r.stderr
+    assert {f: (run_dir / f).read_bytes() for f in before} == before
 
 
 @pytest.mark.parametrize(

@@ -209,3 +209,24 @@ def test_clean_also_reaches_each_cluster_nodes_own_memory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"removed {stale} (1.0 MiB)\nnode n1: freed 1.0 MiB in 1 folder(s)" in out
     assert not stale.exists()
+
+
+def test_a_stop_request_as_the_job_starts_is_one_line_and_frees_the_lock(tmp_path):
+    """SIGTERM once the lock is taken, before the supervisor's own handlers (imports and the
+    pre-flight take seconds): it killed `wanka train` silently (exit 143), lock left behind."""
+    args = [*small_job(tmp_path, "run")[:1], "--nproc", "1", *small_job(tmp_path, "run")[3:],
+            "--set", "parallel.ep=1"]  # fmt: skip
+    lock = tmp_path / "run" / "wanka.lock"
+    p = subprocess.Popen([sys.executable, "-m", "wanka.cli", "train", *args], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not lock.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 75, err[-3000:]
+    assert "stopped on request" in _one_line(err)
+    assert not lock.exists()

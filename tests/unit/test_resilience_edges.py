@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import types
 from collections import namedtuple
 from pathlib import Path
@@ -107,6 +108,25 @@ def test_job_start_refuses_a_run_dir_on_a_full_disk(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
+def test_a_stop_request_before_the_launch_ends_the_start_and_frees_the_lock(tmp_path):
+    """SIGTERM in the seconds between the lock and the supervisor's own handlers (imports,
+    pre-flight) killed `wanka train` silently (exit 143) and left its lock behind."""
+    import signal
+
+    from wanka.config import load_config
+    from wanka.train.run_lock import StoppedBeforeStart
+
+    cfg = load_config(None, [f'run.dir="{tmp_path / "run"}"',
+                             f'resilience.snapshot_dir="{tmp_path / "shm"}"'])  # fmt: skip
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StoppedBeforeStart, match=r"stopped on request \(SIGTERM\) before the job"):
+        with job_start(cfg, {}, ["train"]):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # restored for whatever runs next
+
+
 # -- 5: the pre-flight counts the checkpoints already on disk -----------------------------------
 def _fake_checkpoint(root: Path, step: int, size: int) -> Path:
     d = step_dir(root, step)
@@ -125,7 +145,7 @@ def _checkpoint_check(tmp_path, monkeypatch, free: int, *extra: str):
                              f'resilience.snapshot_dir="{tmp_path / "shm"}"', *extra])  # fmt: skip
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(pf.shutil, "disk_usage", lambda p: usage(1 << 40, 0, free))
-    return pf._check_checkpoint(cfg), pf.param_counts(cfg).total * 12
+    return pf._check_checkpoint(cfg), pf.checkpoint_bytes(cfg)
 
 
 def test_preflight_counts_the_checkpoints_new_saves_replace(tmp_path, monkeypatch):
@@ -140,6 +160,26 @@ def test_preflight_counts_the_checkpoints_new_saves_replace(tmp_path, monkeypatc
     assert not r.ok and "free disk space" in r.message
     assert f"{size / 2**20 / 2:.1f} MiB free" in r.message  # never "0.0 GiB free"
     # checkpoint.load='none' would keep nothing of it: no such credit (it is refused anyway).
+
+
+def test_the_checkpoint_estimate_covers_a_real_checkpoint(tmp_path):
+    """The bare 12 bytes per parameter missed DCP's records, metadata and the train state: a
+    job passed the pre-flight and then failed its saves on a disk that fit the estimate."""
+    from wanka.config import load_config
+    from wanka.models.transformer import Transformer
+    from wanka.resilience import preflight as pf
+
+    cfg = load_config(None, ["model.flavor=tiny", "model.n_layers=2"])
+    model = Transformer(cfg.model)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # the moments and step counters exist, as in any checkpoint past step 0
+    ck = Checkpointer(tmp_path, model, opt, keep=1, async_save=False, is_main=True)
+    state = {"rng": torch.get_rng_state(), "loader": {"epoch": 0, "index": 12}}
+    saved = ck.save(1, state)
+    on_disk = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+    assert pf.param_counts(cfg).total * 12 < on_disk <= pf.checkpoint_bytes(cfg)
 
 
 def test_preflight_without_checkpoints_asks_for_keep_plus_one(tmp_path, monkeypatch):
@@ -171,6 +211,23 @@ def test_a_file_in_a_checkpoints_way_is_named_and_kept(tmp_path, caplog):
         ck.save(2, {})
     assert "move or delete it" in str(e.value) and "free space" not in str(e.value)
     assert ck.save(3, {}) is not None  # other steps save as before
+
+
+def test_a_checkpoint_changed_between_its_check_and_its_load_is_named_so(tmp_path):
+    """'latest' checked step 2, then one of its files went before the load: the error told a
+    user already on 'latest' to pick an earlier one or use 'latest'."""
+    ck = _checkpointer(tmp_path)
+    ck.save(1, {})
+    ck.save(2, {})
+    found = ck.latest_valid()
+    assert found == step_dir(tmp_path, 2)
+    next(found.glob("*.distcp")).unlink()
+    with pytest.raises(ValueError) as e:
+        ck.load(found, {})
+    msg = str(e.value)
+    assert "is missing: it changed after it was checked" in msg and "run the same command" in msg
+    assert "'latest'" not in msg
+    assert ck.latest_valid() == step_dir(tmp_path, 1)  # the next start takes the sound one
 
 
 def test_a_file_named_like_a_partial_save_is_replaced(tmp_path):

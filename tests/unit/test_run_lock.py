@@ -109,10 +109,18 @@ def test_reused_pid_is_taken_over_and_a_live_one_is_not(tmp_path):
         _fake_lock(tmp_path, pid=sleeper.pid, start=pid_start(sleeper.pid) + 1)
         with RunLock(tmp_path) as lock:
             assert "its PID now belongs to another process" in lock.taken_over
-        # Alive with the recorded start time: live, even where flock() gave no answer.
+        # Alive with the recorded start time, where flock() gives no answer: live.
         _fake_lock(tmp_path, pid=sleeper.pid)
-        with pytest.raises(RunDirBusy, match=f"in use by pid {sleeper.pid} on host"):
-            RunLock(tmp_path).acquire()
+        with pytest.MonkeyPatch.context() as mp_:
+            mp_.setattr(run_lock, "_flock", lambda fd: None)
+            with pytest.raises(RunDirBusy, match=f"in use by pid {sleeper.pid} on host"):
+                RunLock(tmp_path).acquire()
+        # Where flock() works, a live job on this host holds it: a record nobody holds is a
+        # copy of a live run's directory (it was refused as in use by that job).
+        _fake_lock(tmp_path, pid=sleeper.pid)
+        with RunLock(tmp_path) as lock:
+            assert f"from pid {sleeper.pid}" in lock.taken_over
+            assert "no process holds its lock" in lock.taken_over
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -56,7 +56,7 @@ def _post(args: argparse.Namespace) -> int:
     from wanka.resilience.chaos import parse_schedule
     from wanka.train.run_lock import job_start
 
-    chaos = parse_schedule(args.chaos, args.nproc * nnodes) if args.chaos else None
+    chaos = parse_schedule(args.chaos, args.nproc * nnodes, nnodes) if args.chaos else None
     rdzv = {k: getattr(args, k) for k in RDZV_FLAGS}
     # Held until the job ends: a second job on this run directory is refused (exit 2).
     with job_start(cfg, rdzv, getattr(args, "argv", None) or [args.cmd]):

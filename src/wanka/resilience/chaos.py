@@ -88,7 +88,7 @@ KEYS = {
     "stop": ("step", "t", "rank"),
     "node_kill": ("step", "t", "node"),
     "link_cut": ("step", "t", "node", "for"),
-    "fail_start": ("node", "times"),
+    "fail_start": ("node", "times", "counted"),
     "slow": ("step", "rank", "ms", "steps"),
     "nan": ("step", "rank"),
     "sigterm": ("step", "t"),
@@ -98,7 +98,7 @@ KEYS = {
 }
 _SHOWN = {"step": "step=N", "t": "t=SECONDS", "rank": "rank=R", "node": "node=N",
           "for": "for=SECONDS", "times": "times=N", "ms": "ms=MS", "steps": "steps=N",
-          "keep_mb": "keep_mb=MIB", "max_gb": "max_gb=GIB"}  # fmt: skip
+          "keep_mb": "keep_mb=MIB", "max_gb": "max_gb=GIB", "counted": "counted=1"}  # fmt: skip
 POSITIVE = ("for", "times", "ms", "steps", "max_gb")  # > 0; every other value >= 0
 
 
@@ -108,8 +108,10 @@ def takes(kind: str) -> str:
     return f"{kind} takes " + ", ".join(_SHOWN[k] for k in KEYS[kind])
 
 
-def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
-    """--chaos's faults; `world` (the job's ranks, when known here) bounds their rank=."""
+def parse_schedule(text: str, world: int | None = None, nodes: int | None = None) -> list[Fault]:
+    """--chaos's faults; `world` (the job's ranks, when known here) bounds their rank=, and
+    `nodes` (its hosts) their node= (without it `world` does: a node runs one rank at least).
+    A fault on a node the job lacks would never fire, and a drill would pass without it."""
     faults = []
     for i, item in enumerate(s.strip() for s in text.split(";")):
         if not item:
@@ -166,6 +168,13 @@ def parse_schedule(text: str, world: int | None = None) -> list[Fault]:
                 raise ValueError(f"chaos fault {item!r}: {k} must be > 0 ({takes(kind)})")
             if v < 0:
                 raise ValueError(f"chaos fault {item!r}: {k} must be >= 0 ({takes(kind)})")
+        if f.params.get("counted", 0) not in (0, 1):
+            raise ValueError(f"chaos fault {item!r}: counted is 0 or 1 ({takes(kind)})")
+        node, most = f.params.get("node"), nodes if nodes is not None else world
+        if node is not None and most is not None and node >= most:
+            has = f"{nodes} node(s): 0..{nodes - 1}" if nodes is not None else (
+                f"at most {world} node(s), as it has {world} rank(s)")  # fmt: skip
+            raise ValueError(f"chaos fault {item!r}: node={int(node)}, but the job has {has}")
         faults.append(f)
     return faults
 
@@ -234,6 +243,10 @@ class ChaosDriver:
         # fault's doing: what follows a power loss or a cut, not the node's own fault)
         self.node_faults: dict[str, tuple[float, float]] = {}
         self.sigterm_time: float | None = None
+        # (when, node indices; None: every node) of the fail_start faults handed to the attempt
+        # now running: its start-up failures are the drill's doing (fault_time)
+        self.start_faults: tuple[float, set[int | None]] | None = None
+        self.node_hit: dict[int, str] = {}  # node_kill id -> the node it struck
         self.t_start = time.time()
         self.marks = self.run_dir / "resilience" / "chaos"
         self.starts_left = {
@@ -258,21 +271,33 @@ class ChaosDriver:
     def worker_spec(self) -> str:
         """Inside faults not yet fired, for the ranks of the next attempt."""
         self._collect_inside_marks()
-        todo = []
+        todo, now = [], time.time()
+        self.start_faults = None  # called once per attempt: the last one's are over
         for f in self.faults:
             if f.kind == "fail_start" and self.starts_left.get(f.id, 0) > 0:
                 self.starts_left[f.id] -= 1
-                self.fired[f.id] = time.time()
+                self.fired[f.id] = now
                 todo.append(f)
+                if f.params.get("counted"):  # drills the eviction policy: a real node's
+                    continue
+                _, nodes = self.start_faults or (now, set())
+                nodes.add(None if "node" not in f.params else int(f.params["node"]))
+                self.start_faults = (now, nodes)
             elif f.kind in ("nan", "slow") and f.id not in self.fired:
                 todo.append(f)
         return ";".join(f"{f.spec()},id={f.id}" for f in todo)
 
     def _collect_inside_marks(self) -> None:
+        specs = {f.id: f.spec() for f in self.faults}
         for p in self.marks.glob("*.fired") if self.marks.is_dir() else ():
-            fid = int(p.stem)
-            if fid not in self.fired:
-                self.fired[fid] = p.stat().st_mtime
+            fid = int(p.stem) if p.stem.isdigit() else None
+            if fid in self.fired or fid not in specs:
+                continue
+            try:  # a mark left by another schedule (another fault at that place) is not ours
+                if p.read_text().strip() == specs[fid]:
+                    self.fired[fid] = p.stat().st_mtime
+            except OSError:
+                continue
 
     def inside_ids(self) -> list[int]:
         """The faults that fire inside a rank and mark it (nan, slow)."""
@@ -282,14 +307,13 @@ class ChaosDriver:
         """Inside faults that fired, as the control store reports them (fault id -> when,
         node): recorded as if the rank had marked the run directory (a resubmitted job does
         not replay them; the drill reads when they fired)."""
+        by_id = {f.id: f for f in self.faults}
         for fid, (t, _node) in marks.items():
             if fid in self.fired:
                 continue
             self.fired[fid] = t
-            self.marks.mkdir(parents=True, exist_ok=True)
-            mark = self.marks / f"{fid}.fired"
-            mark.touch()
-            os.utime(mark, (t, t))
+            if fid in by_id:
+                mark_fired(self.marks, by_id[fid], t)
 
     def injected_inside(self, kind: str, rank: int) -> bool:
         """A fault of `kind` fired inside rank `rank` (its mark file exists): e.g. a straggler
@@ -308,6 +332,11 @@ class ChaosDriver:
             return self.node_faults[node][0]
         if self.cuts:  # a cut link (of n0 above all, the store's) makes any node look lost
             return min(t0 for _, _, _, t0 in self.cuts.values())
+        if self.start_faults is not None:  # ranks made to fail at start-up: the whole node's,
+            t, nodes = self.start_faults  # or a node the name does not number (one host)
+            index = _node_index(node) if node is not None else None
+            if None in nodes or index is None or index in nodes:
+                return t
         return None
 
     def poll(self, beats: dict[int, Beat], now: float, attempt: int,
@@ -339,8 +368,7 @@ class ChaosDriver:
             due = reached or (f.t is not None and now - self.t_start >= f.t)
             if due and self._fire(f, beats):
                 self.fired[f.id] = now
-                self.marks.mkdir(parents=True, exist_ok=True)
-                (self.marks / f"{f.id}.fired").touch()
+                mark_fired(self.marks, f)
                 # Where it struck: a drill checks that the fault is named with this node.
                 node = self._target_node(f)
                 where = {"node": node} if node else {}
@@ -352,7 +380,9 @@ class ChaosDriver:
     def _target_node(self, f: Fault) -> str | None:
         if f.kind in ("kill", "stop"):
             return self._node_of(f.rank)
-        if f.kind in ("node_kill", "link_cut"):
+        if f.kind == "node_kill":
+            return self.node_hit.get(f.id)
+        if f.kind == "link_cut":
             return f"n{f.params['node']}" if "node" in f.params else self._node_of(0)
         return None
 
@@ -366,9 +396,16 @@ class ChaosDriver:
         elif f.kind == "node_kill":
             from wanka.resilience.snapshot import drop_node
 
-            node = f"n{f.params['node']}" if "node" in f.params else self._node_of(0)
+            try:
+                node = self._node_named(f, beats)
+            except ValueError as e:  # the job has no such node: never retried
+                self.fired[f.id] = time.time()
+                print(f"wanka train: chaos {f.spec()} not injected: {e}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                return False
             if node is None:
-                return False  # rank 0 has not said where it runs yet: try at the next poll
+                return False  # a rank has not said where it runs yet: try at the next poll
+            self.node_hit[f.id] = node
             now = time.time()
             if self.cluster is not None:  # every process of the node first, as a power loss:
                 try:  # its launcher must not see its ranks die and exit on its own
@@ -399,6 +436,26 @@ class ChaosDriver:
         else:
             return damage_latest_checkpoint(self.run_dir / "checkpoints", f.kind)
         return True
+
+    def _node_named(self, f: Fault, beats: dict[int, Beat]) -> str | None:
+        """The node a node fault strikes: node=N is nN on the cluster-in-a-box; on other hosts,
+        torch elastic's node rank N, whose ranks follow those of nodes 0..N-1 (so a job on one
+        host is node 0); without node=, rank 0's. None: not known yet; ValueError: no such
+        node in the job."""
+        if "node" not in f.params:
+            return self._node_of(0)
+        index = int(f.params["node"])
+        if self.cluster is not None:
+            return f"n{index}"
+        names = [self._node_of(r) for r in sorted(beats)]
+        if any(_node_index(n) is not None for n in names if n is not None):
+            return f"n{index}"  # cluster-in-a-box nodes (store mode): a rank of unknown node waits
+        if None in names:
+            return None
+        hosts = list(dict.fromkeys(names))  # in rank order: node rank 0 first
+        if index >= len(hosts):
+            raise ValueError(f"the job has {len(hosts)} node(s): node=0..{len(hosts) - 1}")
+        return hosts[index]
 
     # -- link_cut ------------------------------------------------------------------------------
     def _cut(self, f: Fault, beats: dict[int, Beat]) -> bool:
@@ -672,12 +729,17 @@ class WorkerChaos:
             self.faults.append(f)
 
     def _mark(self, f: Fault) -> None:
-        self.marks.mkdir(parents=True, exist_ok=True)
-        (self.marks / f"{f.id}.fired").touch()
+        mark_fired(self.marks, f)
 
     def at_start(self) -> None:
-        node = os.environ.get("WANKA_NODE", "")
-        if any(f.kind == "fail_start" and f.params.get("node") in (None, _node_index(node))
+        # n1 is node 1 on the cluster-in-a-box; elsewhere torch elastic's node rank (GROUP_RANK)
+        # numbers the hosts, and a job on one host is node 0.
+        name = os.environ.get("WANKA_NODE", "")
+        node = _node_index(name)
+        if node is None:
+            group = os.environ.get("GROUP_RANK", "0")
+            node = int(group) if group.isdigit() else 0
+        if any(f.kind == "fail_start" and f.params.get("node") in (None, node)
                for f in self.faults):  # fmt: skip
             raise SystemExit(f"chaos: node fails at start-up (rank {self.rank})")
 
@@ -697,6 +759,17 @@ class WorkerChaos:
                         self._mark(f)
                     return f.params.get("ms", 200) / 1000
         return 0.0
+
+
+def mark_fired(marks: Path, f: Fault, t: float | None = None) -> None:
+    """Mark that fault f fired (a resubmitted job does not replay it): MARKS/<id>.fired, named
+    by its place in the schedule (drill.py and the node agents read that), holding its spec, so
+    that a mark a run directory kept from another schedule suppresses no other fault."""
+    marks.mkdir(parents=True, exist_ok=True)
+    path = marks / f"{f.id}.fired"
+    path.write_text(f.spec() + "\n")
+    if t is not None:
+        os.utime(path, (t, t))
 
 
 def _node_index(name: str) -> int | None:

@@ -36,6 +36,10 @@ OTHER_CAUSES = {
 }
 ALL_CAUSES = NODE_CAUSES | OTHER_CAUSES
 
+# The faults that count toward eviction (and in `wanka nodes`' counted column): not injected
+# by a drill, not the job's own error. One condition, so that the two never disagree.
+COUNTS_SQL = "injected = 0 AND cause NOT IN ('user_error', 'user_code')"
+
 _BUSY_TIMEOUT_S = 30.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS faults (
@@ -233,7 +237,7 @@ class FaultLedger:
         cleared_id = row[0] if row else 0
         rows = db.execute(
             "SELECT cause FROM faults WHERE node = ? AND id > ? AND time > ? AND time <= ? "
-            "AND injected = 0 AND cause NOT IN ('user_error', 'user_code') ORDER BY time, id",
+            f"AND {COUNTS_SQL} ORDER BY time, id",
             (node, cleared_id, since, now),
         ).fetchall()
         return [r[0] for r in rows]
@@ -287,10 +291,13 @@ class FaultLedger:
             return db.execute(q, (node, node)).fetchone() is not None
 
     def summary(self) -> list[dict]:
-        """Per node, sorted by name: faults (total), counted (not cleared), by_cause,
-        last_cause, last_time, status ("evicted" | "ok"), reason."""
+        """Per node, sorted by name: faults (total), counted (not cleared, and counting toward
+        eviction as _counted does), by_cause, last_cause, last_time, status ("evicted" | "ok"),
+        reason."""
         with self._db() as db:
-            faults = db.execute("SELECT id, node, cause, time FROM faults ORDER BY time, id")
+            faults = db.execute(
+                f"SELECT id, node, cause, time, {COUNTS_SQL} FROM faults ORDER BY time, id"
+            )
             faults = faults.fetchall()
             status = {
                 r[0]: r[1:]
@@ -310,10 +317,10 @@ class FaultLedger:
                 "reason": reason,
                 "_cleared_id": cleared_id,
             }
-        for fid, node, cause, t in faults:
+        for fid, node, cause, t, counts in faults:
             s = out[node]
             s["faults"] += 1
-            s["counted"] += fid > s["_cleared_id"]
+            s["counted"] += bool(counts) and fid > s["_cleared_id"]
             s["by_cause"][cause] = s["by_cause"].get(cause, 0) + 1
             s["last_cause"], s["last_time"] = cause, t
         for s in out.values():

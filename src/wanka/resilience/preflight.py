@@ -171,6 +171,15 @@ def param_counts(cfg):
     return count_params(cfg.model)
 
 
+def checkpoint_bytes(cfg) -> int:
+    """One checkpoint on disk: fp32 params + 2 Adam moments (DCP, unsharded total), plus what
+    the bare 12 bytes per parameter missed (a review filled a disk the pre-flight had passed:
+    11.2 MiB written against 10.8 estimated): DCP's per-tensor records and .metadata, the
+    optimizer's step counters, buffers, RNG and loader state. 2% + 4 MiB covers them."""
+    params = param_counts(cfg).total * 12
+    return params + params // 50 + (4 << 20)
+
+
 def memory_need_bytes(cfg, world_size: int) -> int:
     """Per-rank peak for this job (models/stats.py `job_memory`): its layout (dp_shard, ep),
     data.seq_len, train.micro_batch_size, compute dtype (train.mixed_precision on this device),
@@ -341,7 +350,7 @@ def _check_checkpoint(cfg) -> CheckResult:
     if why:
         return CheckResult("checkpoint", False, f"{root} is not writable: {why}; set run.dir "
                            "to a writable directory")  # fmt: skip
-    size = param_counts(cfg).total * 12  # fp32 params + 2 Adam moments (DCP, unsharded total)
+    size = checkpoint_bytes(cfg)
     # What is on disk already counts: the checkpoints new saves replace (pruned to keep) and
     # the partial folders of saves that never finished (removed before any new save). At most
     # keep + 1 checkpoints are on disk at once (the newest being written), and the first new

@@ -16,7 +16,6 @@ it and the run goes on; the final and the last-gasp checkpoints raise Checkpoint
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import logging
@@ -46,11 +45,17 @@ from wanka.distributed.compression import (
     reducer_states,
     reset_reducer_states,
 )
+from wanka.train.manifest import (  # noqa: F401  (write_manifest: wanka import, tests)
+    CORRUPT,
+    MARKER,
+    RANK_LOCAL,
+    hash_own_files,
+    manifest_problem,
+    write_manifest,
+)
+from wanka.train.manifest import named_step as _named_step
 
-MARKER = "COMPLETE"
-CORRUPT = "CORRUPT"
 PARTIAL = ".partial-"
-RANK_LOCAL = "rank-local-"  # + RANK.pt: state only that rank holds (error feedback)
 # Set to "fatal" (the drills' torchrun baseline does) and every failed save ends the job, as
 # in a plain training script.
 FAILURES_ENV = "WANKA_CHECKPOINT_FAILURES"
@@ -121,34 +126,20 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_manifest(path: Path, step: int) -> None:
-    files = {p.name: [p.stat().st_size, _sha256(p)] for p in sorted(path.iterdir())
-             if p.is_file() and p.name not in (MARKER, CORRUPT)}  # fmt: skip
-    tmp = path / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "files": files}))
-    os.replace(tmp, path / MARKER)
-
-
 def verify(path: Path) -> str | None:
     """None if every file matches the manifest, else what is wrong (one line)."""
     return _check(path)[0]
 
 
-def _check(path: Path) -> tuple[str | None, bool]:
+def _check(path: Path, rank: int = 0, world: int = 1, checksums: bool = True
+           ) -> tuple[str | None, bool]:  # fmt: skip
     """(what is wrong or None, whether it is damage): a checkpoint that cannot be read (no
-    permission) is not damaged: it is skipped, never flagged CORRUPT."""
+    permission) is not damaged: it is skipped, never flagged CORRUPT. Checksums of this
+    rank's share of the files (manifest.manifest_problem)."""
     if why := unreadable(path):
         return f"{path.name}: cannot be read ({why}); fix its permissions to use it", False
     try:
-        return _check_files(path), True
+        return manifest_problem(path, rank, world, checksums), True
     except (ValueError, TypeError):  # a manifest entry of another shape
         return f"{path.name}: no readable manifest", True
     except OSError as e:  # no permission: skipped; an I/O error: damaged
@@ -156,27 +147,6 @@ def _check(path: Path) -> tuple[str | None, bool]:
         fix = "; fix its permissions to use it" if isinstance(e, PermissionError) else ""
         return (f"{path.name}: {name} cannot be read ({e.strerror or e}){fix}",
                 not isinstance(e, PermissionError))  # fmt: skip
-
-
-def _check_files(path: Path) -> str | None:
-    try:
-        manifest = json.loads((path / MARKER).read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError, FileNotFoundError, IsADirectoryError):
-        return f"{path.name}: no readable manifest"
-    named = _named_step(path)
-    if named is not None and manifest.get("step") != named:
-        return (f"{path.name}: its manifest is of step {manifest.get('step')} (a copy under "
-                "another step's name?)")  # fmt: skip
-    for name, (size, digest) in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{path.name}: {name} is missing"
-        if f.stat().st_size != size:
-            return f"{path.name}: {name} is {f.stat().st_size} bytes, manifest says {size} (truncated?)"
-        if _sha256(f) != digest:
-            return f"{path.name}: {name} does not match its checksum (corrupted)"
-    return None
 
 
 def _last_line(e: BaseException) -> str:
@@ -283,13 +253,6 @@ def set_aside(path: Path) -> Path:
     return target
 
 
-def _named_step(path: Path) -> int | None:
-    """The step a checkpoint folder's name says (step-00000100 -> 100); None for any other
-    name (step-00000100.bak, a user's copy, is not a checkpoint of this run)."""
-    head, _, digits = path.name.partition("-")
-    return int(digits) if head == "step" and digits.isascii() and digits.isdigit() else None
-
-
 def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -356,6 +319,7 @@ class Checkpointer:
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
         self._pending: tuple[Any, Path, int, float, bool] | None = None
         self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
+        self._checked: Path | None = None  # what latest_valid() just checked in full
         self.none_usable = 0  # latest_valid() found only damaged checkpoints: how many
         self.unreadable = 0  # ... and how many it could not read (permissions)
         self.last_save_seconds = 0.0
@@ -498,21 +462,33 @@ class Checkpointer:
         reason if that failed, None when the checkpoint is complete."""
         if dist.is_initialized():
             dist.barrier()
+        # Each rank hashes the files it wrote (in its page cache still), rank 0 the rest.
+        rank, world = self._rank_world()
+        try:
+            mine: tuple[dict, str | None] = (hash_own_files(partial, rank, world), None)
+        except OSError as e:
+            mine = ({}, write_failure(e, self.root) or f"{partial.name}: {e}")
+        everyone = [mine]
+        if world > 1:
+            everyone = [None] * world if self.is_main else None
+            dist.gather_object(mine, everyone, dst=0)
         problem = None
         if self.is_main:
+            problem = next((p for _, p in everyone if p), None)
             try:
-                write_manifest(partial, step)
-                final = step_dir(self.root, step)
-                if problem := in_the_way(final):
-                    pass  # a file (never deleted), or a folder that cannot be read
-                elif (final / CORRUPT).exists():  # never overwritten: kept for inspection
-                    aside = set_aside(final)
-                    log.warning("checkpoint %s was flagged corrupt; moved to %s (kept for "
-                                "inspection) to save step %d", final, aside.name, step)  # fmt: skip
-                elif final.exists():
-                    shutil.rmtree(final)
                 if problem is None:
-                    os.replace(partial, final)
+                    write_manifest(partial, step, {k: v for h, _ in everyone for k, v in h.items()})
+                    final = step_dir(self.root, step)
+                    problem = in_the_way(final)  # a file (never deleted), or a folder that
+                    # cannot be read
+                    if problem is None and (final / CORRUPT).exists():  # never overwritten
+                        aside = set_aside(final)
+                        log.warning("checkpoint %s was flagged corrupt; moved to %s (kept for "
+                                    "inspection) to save step %d", final, aside.name, step)  # fmt: skip
+                    elif problem is None and final.exists():
+                        shutil.rmtree(final)
+                    if problem is None:
+                        os.replace(partial, final)
             except OSError as e:
                 problem = write_failure(e, self.root)
             if problem is None:
@@ -586,47 +562,70 @@ class Checkpointer:
         return done[-1] if done else None
 
     def latest_valid(self) -> Path | None:
-        """Newest checkpoint whose files match their manifest; rank 0 checks, all ranks agree.
-        Bad ones are flagged CORRUPT (kept for inspection, never loaded) and logged one line
-        each; when none is usable, say_none_usable() says so in one line instead."""
-        found = None
+        """Newest checkpoint whose files match their manifest; every rank checks its share of
+        the files of each candidate (newest first), all agree. Bad ones are flagged CORRUPT
+        (kept for inspection, never loaded) and logged one line each; when none is usable,
+        say_none_usable() says so in one line instead."""
+        names: list[str] = []
+        problems: list[str] = []
+        unusable: list[Path] = []
         if self.is_main:
             if relaunched():
                 self.clear_partials()
-            problems, unusable = [], []
             for path, why in unreadable_checkpoints(self.root):
                 unusable.append(path)
                 name = f"checkpoint {path.name}" if path != self.root else f"folder {path}"
                 log.error("skipping %s: cannot be read (%s); fix its permissions to use it",
                           name, why)  # fmt: skip
-            for path in reversed(complete_checkpoints(self.root)):
-                if path in unusable:
-                    continue
-                problem, damaged = _check(path)
-                if problem is None:
-                    found = str(path)
-                    break
-                if not damaged:  # unreadable (permissions): skipped, never flagged
-                    unusable.append(path)
-                    log.error("skipping checkpoint %s", problem)
-                    continue
-                problems.append(problem)
-                try:
-                    (path / CORRUPT).write_text(problem + "\n")
-                except OSError as e:  # a read-only disk: skipped all the same, said once
-                    log.error("checkpoint %s could not be flagged corrupt (%s)", path.name,
-                              e.strerror or e)  # fmt: skip
+            names = [str(p) for p in reversed(complete_checkpoints(self.root)) if p not in unusable]
+        if dist.is_initialized():
+            box = [names]
+            dist.broadcast_object_list(box, src=0)
+            names = box[0]
+        found = None
+        for name in names:
+            path = Path(name)
+            problem, damaged = self._check_together(path)
+            if problem is None:
+                found = name
+                break
+            if not self.is_main:
+                continue
+            if not damaged:  # unreadable (permissions): skipped, never flagged
+                unusable.append(path)
+                log.error("skipping checkpoint %s", problem)
+                continue
+            problems.append(problem)
+            try:
+                (path / CORRUPT).write_text(problem + "\n")
+            except OSError as e:  # a read-only disk: skipped all the same, said once
+                log.error("checkpoint %s could not be flagged corrupt (%s)", path.name,
+                          e.strerror or e)  # fmt: skip
+        if self.is_main:
             self.skipped += problems
-            damaged = 0 if found else len(damaged_checkpoints(self.root))
-            self.none_usable = damaged
+            self.none_usable = 0 if found else len(damaged_checkpoints(self.root))
             self.unreadable = 0 if found else len(unusable)
             for problem in problems if found else ():  # else say_none_usable() has one line
                 log.error("skipping checkpoint %s", problem)
+        self._checked = Path(found) if found else None
+        return self._checked
+
+    def _rank_world(self) -> tuple[int, int]:
         if dist.is_initialized():
-            box = [found]
-            dist.broadcast_object_list(box, src=0)
-            found = box[0]
-        return Path(found) if found else None
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _check_together(self, path: Path, checksums: bool = True) -> tuple[str | None, bool]:
+        """_check() of `path` with the files shared round-robin over the ranks (a checksum
+        of every file by every rank, or by rank 0 alone, took hours at 3.5 TB); one agreed
+        answer, the first rank's problem."""
+        rank, world = self._rank_world()
+        mine = _check(path, rank, world, checksums)
+        if world == 1:
+            return mine
+        seen: list[Any] = [None] * world
+        dist.all_gather_object(seen, mine)
+        return next((tuple(s) for s in seen if s[0]), (None, True))
 
     def say_none_usable(self, then: str = "starting from step 0") -> None:
         """Rank 0, after latest_valid() found checkpoints but every one damaged: one line,
@@ -664,7 +663,14 @@ class Checkpointer:
             raise ValueError(f"{field}: checkpoint {path} is incomplete (no {MARKER} marker): "
                              + ("pick an earlier one or set checkpoint.load='none'" if resuming
                                 else "point it at a complete checkpoint, or at its run directory"))  # fmt: skip
-        if (problem := verify(path)) is not None:
+        # The checkpoint latest_valid() just checked in full: its files' presence and sizes
+        # again (it may have changed since), not their checksums.
+        checked = path == self._checked
+        problem, _ = self._check_together(path, checksums=not checked)
+        if problem is not None and checked:
+            raise ValueError(f"{field}: checkpoint {problem}: it changed after it was checked "
+                             "(deleted or rewritten meanwhile?); run the same command again")  # fmt: skip
+        if problem is not None:
             raise ValueError(f"{field}: checkpoint {problem}: pick an earlier one"
                              + (", or 'latest' (which skips damaged checkpoints)" if resuming
                                 else ", or its run directory (the newest sound one is taken)"))  # fmt: skip

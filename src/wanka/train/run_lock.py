@@ -32,6 +32,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -125,9 +126,13 @@ def read_holder(run_dir: Path) -> Holder | None:
         os.close(fd)
 
 
+def _this_boot(h: Holder) -> bool:
+    return h.host == socket.gethostname() and h.boot_id == _boot_id()
+
+
 def gone(h: Holder, now: float | None = None) -> str | None:
     """Why the holder is gone (one phrase), or None while it may be alive."""
-    if h.host == socket.gethostname() and h.boot_id == _boot_id():
+    if _this_boot(h):
         start = pid_start(h.pid)
         if start is None:
             return "that process is gone"
@@ -248,6 +253,10 @@ class RunLock:
         holder = _parse(fd)
         if holder is not None and holder.pid != os.getpid():
             why = gone(holder)
+            if why is None and locked and _this_boot(holder):
+                # A live job on this host holds flock() for its whole life: this record is not
+                # its lock (a copy of a live run's directory named that job's PID).
+                why = "no process holds its lock (a copy of another run's directory?)"
             if why is None:
                 if self.job is not None and holder.job == self.job:
                     self.peer_of = holder
@@ -465,6 +474,18 @@ def _check_room(run_dir: Path, shown: str) -> None:
                          "free); free space there or pick another run.dir")  # fmt: skip
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBeforeStart(BaseException):  # past `except Exception` on its way out
+    """A stop request before the job launched anything: nothing ran, nothing to save."""
+
+
+def _stop_before_start(signum: int, _frame) -> None:
+    raise StoppedBeforeStart(f"stopped on request ({signal.Signals(signum).name}) before the job "
+                             "started: nothing ran; run the same command again to start it")  # fmt: skip
+
+
 @contextmanager
 def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
     """What the top-level `wanka train` does before it launches anything, and holds until the
@@ -473,6 +494,10 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
     stale snapshot folders. Each action is one line on stderr."""
     run_dir = Path(cfg.run.dir)
     lock = RunLock(run_dir, command_line(argv), rendezvous_key(rdzv)).acquire()
+    # Until the supervisor (or torchrun's agent, or the trainer) installs its own handlers
+    # (imports and pre-flight take seconds), a stop request killed this process silently
+    # and left the lock behind.
+    previous = {sig: signal.signal(sig, _stop_before_start) for sig in STOP_SIGNALS}
     try:
 
         def say(msg: str) -> None:
@@ -495,4 +520,7 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
             say(swept_line(f, max_age))
         yield lock
     finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _stop_before_start:  # not one installed since
+                signal.signal(sig, handler)
         lock.release()

@@ -468,6 +468,8 @@ def _run(cfg: JobConfig) -> dict:
     if start > cfg.train.steps:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
+    if 0 < start == cfg.train.steps and (not cfg.checkpoint.enable or ckpt.holds(start)):
+        return _already_finished(job, snapshots)
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
         adopt_dataset_tokenizer(cfg, warn=True)
         save_run_config(job.run_dir, cfg)
@@ -544,6 +546,26 @@ def _run(cfg: JobConfig) -> dict:
     rt.progress.close()
     # Leave together: a rank that exits (and tears its process group down) while rank 0 still
     # writes the report would make the launcher kill rank 0 mid-write.
+    dist.barrier()
+    dist.destroy_process_group()
+    return summary
+
+
+def _already_finished(job: Job, snapshots) -> dict:
+    """A rerun of a finished run: nothing to train. Its summary and metrics stay as they are
+    (a rerun wrote a summary of nulls over them and a second final eval row)."""
+    steps = job.cfg.train.steps
+    if snapshots is not None:
+        snapshots.close(discard=True)
+    summary: dict = {}
+    if job.is_main:
+        log.warning("%s already finished its %d steps: nothing to train (raise train.steps to "
+                    "train on, or use a new run.dir)", job.run_dir, steps)  # fmt: skip
+        try:
+            summary = json.loads((job.run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {"steps": steps}
+    job.runtime.progress.close()
     dist.barrier()
     dist.destroy_process_group()
     return summary
