@@ -116,3 +116,22 @@ def test_lr_changed():
     assert "horizon" not in msg and "lr_horizon" not in msg
     only_indexer = schedule_change(schedule_record(wsd()), wsd(indexer_lr=1e-3), 50)
     assert only_indexer is not None and "indexer lr 3.0e-03 -> 1.0e-03" in only_indexer
+
+
+def test_other_optimizer_settings_changed_on_resume_are_returned_to_be_said():
+    """A resume applied a new train.beta1 / weight_decay silently (and config.toml, rewritten,
+    no longer held the old values)."""
+    import torch
+
+    from wanka.train.optim import apply_hyperparameters, build_optimizer
+
+    inner = torch.nn.ModuleDict({"w": torch.nn.Linear(4, 4), "indexer": torch.nn.Linear(4, 4)})
+    opt = build_optimizer(torch.nn.ModuleDict({"m": inner}), TrainConfig())
+    assert [g["name"] for g in opt.param_groups] == ["decay", "no_decay", "indexer"]
+    assert apply_hyperparameters(opt, TrainConfig()) == []
+    assert apply_hyperparameters(opt, TrainConfig(lr=1e-2)) == []  # the schedule says that one
+    got = apply_hyperparameters(opt, TrainConfig(lr=1e-2, beta1=0.8, weight_decay=0.01))
+    base = TrainConfig()
+    assert got == [f"train.weight_decay {base.weight_decay:g} -> 0.01",
+                   f"train.beta1 {base.beta1:g} -> 0.8"]  # fmt: skip
+    assert apply_hyperparameters(opt, TrainConfig(lr=1e-2, beta1=0.8, weight_decay=0.01)) == []

@@ -230,6 +230,18 @@ def test_a_checkpoint_changed_between_its_check_and_its_load_is_named_so(tmp_pat
     assert ck.latest_valid() == step_dir(tmp_path, 1)  # the next start takes the sound one
 
 
+def test_a_checkpoint_that_lost_its_manifest_is_said_when_skipped(tmp_path, caplog):
+    ck = _checkpointer(tmp_path)
+    ck.save(1, {})
+    ck.save(2, {})
+    (step_dir(tmp_path, 2) / "COMPLETE").unlink()
+    with caplog.at_level(logging.ERROR, logger="wanka.checkpoint"):
+        assert ck.latest_valid() == step_dir(tmp_path, 1)
+    [msg] = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert msg.startswith("skipping checkpoint step-00000002: it has no COMPLETE manifest")
+    assert step_dir(tmp_path, 2).is_dir()  # kept
+
+
 def test_a_file_named_like_a_partial_save_is_replaced(tmp_path):
     ck = _checkpointer(tmp_path)
     (tmp_path / f"{PARTIAL}step-00000002").write_text("stale")

@@ -249,7 +249,7 @@ def _resume(job: PostJob, init: str) -> tuple[int, dict]:
         step, state = found
         extra = apply(state, job.policy, job.optimizer)
         _refuse_another_origin(job, extra)
-        apply_hyperparameters(job.optimizer, job.cfg.train)  # the config's lr, not the saved
+        _say_changes(apply_hyperparameters(job.optimizer, job.cfg.train), step)  # the config's
         log.info("resumed from the in-memory snapshot of step %d", step)
         return step, extra
     if path is None:
@@ -257,9 +257,16 @@ def _resume(job: PostJob, init: str) -> tuple[int, dict]:
         return 0, {}
     state = job.ckpt.load(path, job.train_state())
     _refuse_another_origin(job, state)
-    apply_hyperparameters(job.optimizer, job.cfg.train)  # as `wanka train`: the config wins
+    # as `wanka train`: the config wins
+    _say_changes(apply_hyperparameters(job.optimizer, job.cfg.train), int(state["step"]))
     log.info("resumed from %s at step %d", path, state["step"])
     return int(state["step"]), state
+
+
+def _say_changes(changes: list[str], step: int) -> None:
+    if changes and (not dist.is_initialized() or dist.get_rank() == 0):
+        log.warning("changed on resume at step %d: %s (the config's values apply from here on)",
+                    step, ", ".join(changes))  # fmt: skip
 
 
 def _prompts(cfg: JobConfig, dp: int, command: str

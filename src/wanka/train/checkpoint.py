@@ -261,6 +261,19 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=_named_step)
 
 
+def unmarked_checkpoints(root: Path) -> list[Path]:
+    """step-N folders without a manifest (COMPLETE): saves are renamed into place only once
+    complete, so one of these lost its manifest (deleted) or was put there by hand."""
+    if not root.is_dir():
+        return []
+    try:
+        found = [p for p in root.glob("step-*") if _named_step(p) is not None and p.is_dir()
+                 and not _exists(p / MARKER) and not _exists(p / CORRUPT)]  # fmt: skip
+    except OSError:
+        return []
+    return sorted(found, key=_named_step)
+
+
 def _exists(path: Path) -> bool:
     try:
         return path.exists()
@@ -578,6 +591,10 @@ class Checkpointer:
                 log.error("skipping %s: cannot be read (%s); fix its permissions to use it",
                           name, why)  # fmt: skip
             names = [str(p) for p in reversed(complete_checkpoints(self.root)) if p not in unusable]
+            for path in unmarked_checkpoints(self.root):  # else passed over without a word
+                log.error("skipping checkpoint %s: it has no %s manifest (a save writes it last, "
+                          "so a file of it was deleted or it is not a finished save); kept",
+                          path.name, MARKER)  # fmt: skip
         if dist.is_initialized():
             box = [names]
             dist.broadcast_object_list(box, src=0)

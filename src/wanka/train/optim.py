@@ -183,17 +183,31 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
     return optimizer.param_groups[0]["lr"]
 
 
-def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> list[str]:
     """Make the config win over hyperparameters restored from a checkpoint (a resumed run may
-    change lr, weight decay or betas on purpose; the moments are kept)."""
+    change lr, weight decay or betas on purpose; the moments are kept). Returns what changed
+    besides the lr (whose schedule change is said on its own), "train.beta1 0.9 -> 0.95", for
+    the resume to say: config.toml is rewritten, and nothing else would record the old value."""
     fresh = {
         "decay": (cfg.lr, cfg.weight_decay),
         "no_decay": (cfg.lr, 0.0),
         "indexer": (cfg.indexer_lr, 0.0),
     }
+    changed: dict[str, str] = {}
     for g in optimizer.param_groups:
+        old = {"weight_decay": g.get("weight_decay"), "beta1": g.get("betas", (None,) * 2)[0],
+               "beta2": g.get("betas", (None,) * 2)[1],
+               "indexer_lr": g.get("base_lr") if g["name"] == "indexer" else None}  # fmt: skip
         g["base_lr"], g["weight_decay"] = fresh[g["name"]]
         g["betas"] = (cfg.beta1, cfg.beta2)
+        new = {"weight_decay": g["weight_decay"], "beta1": cfg.beta1, "beta2": cfg.beta2,
+               "indexer_lr": cfg.indexer_lr if g["name"] == "indexer" else None}  # fmt: skip
+        if g["name"] == "no_decay":
+            del old["weight_decay"], new["weight_decay"]  # always 0
+        for k, was in old.items():
+            if was is not None and new[k] is not None and float(was) != float(new[k]):
+                changed[f"train.{k}"] = f"train.{k} {was:g} -> {new[k]:g}"
+    return list(changed.values())
 
 
 @torch.no_grad()

@@ -651,6 +651,13 @@ def _note_schedule_change(job: Job, saved: str | None, step: int, info: dict) ->
         info["lr_schedule_change"] = change
 
 
+def _say_changes(job: Job, changes: list[str], step: int) -> None:
+    """One line for optimizer settings the config changed on resume (the lr: its own note)."""
+    if changes and job.is_main:
+        log.warning("changed on resume at step %d: %s (the config's values apply from here on)",
+                    step, ", ".join(changes))  # fmt: skip
+
+
 def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
     """Newest of: an in-memory snapshot (same layout only), the newest valid DCP checkpoint."""
     load = job.cfg.checkpoint.load
@@ -681,7 +688,7 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
             job.loader.load_state_dict(extra["loader"])
             job.runtime.guard.load_state_dict(extra["guard"])
             load_reducer_states(job.model, extra.get("comm", []))  # same layout: always fits
-            apply_hyperparameters(job.optimizer, job.cfg.train)
+            _say_changes(job, apply_hyperparameters(job.optimizer, job.cfg.train), step)
             info.update(source="memory", step=step)
             # A job stopped and started again with another schedule resumes from memory too.
             _note_schedule_change(job, extra.get("lr_schedule"), step, info)
@@ -702,7 +709,7 @@ def _resume(job: Job, ckpt: Checkpointer, snapshots, info: dict) -> int:
         job.loader.load_state_dict(state["loader"])
     if "guard" in state:
         job.runtime.guard.load_state_dict(json.loads(state["guard"]))
-    apply_hyperparameters(job.optimizer, job.cfg.train)
+    _say_changes(job, apply_hyperparameters(job.optimizer, job.cfg.train), int(state["step"]))
     info.update(source="disk", step=int(state["step"]))
     _note_schedule_change(job, state.get("lr_schedule"), int(state["step"]), info)
     log.info("resumed from %s at step %d", path, state["step"])
