@@ -87,3 +87,23 @@ def test_a_drill_reference_from_before_a_new_field_is_still_usable(tmp_path):
         f.write("\n[nonsense]\nx = 1\n")  # a section this wanka does not know
     with pytest.raises(ValueError, match="its config.toml does not read with this wanka"):
         _check_reference(tmp_path / "reference", DEMO, sets)
+
+
+def test_a_launch_that_never_met_its_hosts_is_not_a_success(tmp_path, capsys, monkeypatch):
+    """A rendezvous that never formed (the other hosts never came, or its endpoint was
+    unreachable) left no exit codes, and an empty list of them read as success: exit 0 with
+    nothing trained, which Slurm records as COMPLETED and never requeues."""
+    from wanka.resilience.supervisor import Outcome
+
+    sup = _supervisor(tmp_path, ["train", DEMO],
+                      {"nnodes": "2", "rdzv_endpoint": "10.0.0.9:29500", "rdzv_id": "j"})  # fmt: skip
+    sup.cfg.resilience.preflight = "off"
+    out = Outcome("startup_failure", detail="RendezvousTimeoutError: timed out", launch_failed=True)
+    sup._classify(out)
+    assert out.cause == "startup_failure"  # was "success"
+    monkeypatch.setattr(sup, "_attempt", lambda attempt: Outcome(
+        "startup_failure", detail="RendezvousTimeoutError: timed out", launch_failed=True))  # fmt: skip
+    assert sup._run() == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if "never met" in x]
+    assert len(err) == 1 and "the 2 hosts never met at the rendezvous at 10.0.0.9:29500" in err[0]
+    assert "nothing was trained" in err[0]

@@ -70,6 +70,7 @@ class Outcome:
     said: str | None = None  # user_error: what the rank said (one line), printed by run()
     launcher_killed: tuple[str, int] | None = None  # (node, code): its launcher died of a signal
     limit_s: float | None = None  # the learned hang limit the fault was detected within
+    launch_failed: bool = False  # the launcher's own error (a rendezvous that never formed)
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -365,6 +366,7 @@ class Supervisor:
             first = (str(launch_error).strip().splitlines() or [""])[0][:200]
             out.detail = f"{type(launch_error).__name__}: {first}"
             out.t_detect = out.t_detect or time.time()
+            out.launch_failed = True  # no rank's exit code to go by (read as success before)
         if out.launcher_killed is not None:
             self._node_lost(out)
         if out.cause == "node_lost" and out.node and self._warm is not None:
@@ -537,6 +539,8 @@ class Supervisor:
             "node"
         ):
             return
+        if out.launch_failed and not out.codes:  # named from the launcher's error: no codes
+            return  # (an empty list of them reads as success)
         if out.cause == "process_crash":  # seen by the monitor; codes confirm
             return
         out.cause = cause_of_codes(out.codes, out.max_step)
@@ -729,6 +733,15 @@ class Supervisor:
                 break
             if out.cause == "success":
                 rc = 0
+                break
+            if out.launch_failed and attempt == 1 and out.max_step < 0 and self.nnodes > 1:
+                # The hosts never met (torchrun gives up too): nothing ran, no host to blame.
+                where = self.rdzv.get("rdzv_endpoint") or self.rdzv.get("master_addr") or "?"
+                print(f"{self.says} the {self.nnodes} hosts never met at the rendezvous at "
+                      f"{where} ({out.detail}); nothing was trained: start the same command "
+                      "(same --nnodes, --rdzv-endpoint and --rdzv-id) on every host, with the "
+                      "endpoint's host up and reachable", file=sys.stderr)  # fmt: skip
+                rc = 1
                 break
             if out.cause == "user_error":
                 # The ranks leave the saying to us: the first rank to exit makes us stop the
