@@ -627,6 +627,20 @@ class Checkpointer:
         self._checked = Path(found) if found else None
         return self._checked
 
+    def newest_sound(self, root: Path) -> Path | None:
+        """The newest complete checkpoint under `root` (another run's: nothing is flagged or
+        said there) whose files match their manifest, checked by all ranks together."""
+        names = [str(p) for p in reversed(complete_checkpoints(root))] if self.is_main else []
+        if dist.is_initialized():
+            box = [names]
+            dist.broadcast_object_list(box, src=0)
+            names = box[0]
+        for name in names:
+            if self._check_together(Path(name))[0] is None:
+                self._checked = Path(name)
+                return self._checked
+        return None
+
     def _rank_world(self) -> tuple[int, int]:
         if dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()

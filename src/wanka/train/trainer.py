@@ -38,7 +38,7 @@ from wanka.distributed.parallel_dims import ParallelDims
 from wanka.distributed.parallelize import DTYPES, parallelize
 from wanka.models.transformer import Transformer, mtp_labels
 from wanka.resilience.worker import Preempted, Runtime
-from wanka.train.checkpoint import Checkpointer, SaveSchedule, complete_checkpoints, verify
+from wanka.train.checkpoint import Checkpointer, SaveSchedule
 from wanka.train.metrics import MetricsWriter, format_summary
 from wanka.train.optim import (
     apply_hyperparameters,
@@ -736,8 +736,7 @@ def _init_weights(job: Job, ckpt: Checkpointer, info: dict) -> int:
     given = Path(job.cfg.checkpoint.init_weights)
     path = given
     if (given / "checkpoints").is_dir():  # a run directory: its newest sound checkpoint
-        done = [p for p in complete_checkpoints(given / "checkpoints") if verify(p) is None]
-        path = done[-1] if done else None  # (read only: damaged ones are not flagged there)
+        path = ckpt.newest_sound(given / "checkpoints")  # read only: damaged ones not flagged
         if path is None:
             raise ValueError(f"checkpoint.init_weights={str(given)!r} holds no complete, "
                              "undamaged checkpoint: point it at a trained run or one of its "
