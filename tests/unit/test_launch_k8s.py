@@ -129,7 +129,13 @@ def validate_jobset(doc: dict) -> list[str]:
     return problems
 
 
+# run.dir must be on the claim every pod mounts: the demo's runs/demo, in --workdir /data.
+SHARED = ("--pvc", "shared:/data", "--workdir", "/data")
+
+
 def launch(*argv: str, out: Path) -> dict:
+    if "--pvc" not in argv:
+        argv = (*argv, *SHARED)
     p = argparse.ArgumentParser(prog="wanka")
     add_launch_parser(p.add_subparsers(dest="cmd"))
     a = p.parse_args(["launch", "--k8s", CONFIG, *argv, "--out", str(out)])
@@ -388,8 +394,8 @@ TRICKY = ["yes", "No", "on", "OFF", "null", "Null", "~", "true", "8", "1.5", "1e
 
 
 def test_a_pvc_name_is_a_dns_subdomain(tmp_path, ledger):
-    doc = launch("--nodes", "2", "--image", "w:1", "--pvc", "my.claim:/data", "--ledger", ledger,
-                 out=tmp_path / "x.yaml")  # fmt: skip
+    doc = launch("--nodes", "2", "--image", "w:1", "--pvc", "my.claim:/data", "--workdir", "/data",
+                 "--ledger", ledger, out=tmp_path / "x.yaml")  # fmt: skip
     spec = pod_spec(doc)
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "my.claim"}} in spec["volumes"]
     assert validate_pytorchjob(doc) == []

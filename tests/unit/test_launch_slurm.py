@@ -340,3 +340,13 @@ def test_store_control_no_kill_and_the_coordinators_exit_code(
                        timeout=60)  # fmt: skip
     assert p.returncode == script_code, p.stderr
     assert not list((tmp_path / "run").rglob("job-rc.*"))  # read once, then removed
+
+
+def test_store_control_needs_the_supervisor(tmp_path):
+    # Without the supervisor `wanka train` is plain torchrun: no coordinator ends the hosts'
+    # tasks or writes the job's exit code, so the script keeps srun's --wait and its code.
+    script = render(tmp_path, "--set", 'resilience.control="store"',
+                    "--set", "resilience.supervise=false")  # fmt: skip
+    assert "--no-kill" not in directives(script) and "WANKA_JOB_RC_FILE" not in script
+    srun = next(x for x in script.splitlines() if x.startswith("srun "))
+    assert "--wait=120 --kill-on-bad-exit=0" in srun

@@ -47,9 +47,13 @@ def _job(a: argparse.Namespace, config: str, node_counts: range | tuple[int, ...
     _check_out(a, config)
     cfg = check_job(config, a.set, a.nodes, nproc, node_counts)
     ledger = a.ledger if a.ledger is not None else cfg.resilience.ledger
+    r = cfg.resilience
+    # The ledger is read by the caller once every input is checked (its note is no error).
+    # Store control is the supervisors': without them `wanka train` is plain torchrun, and
+    # nothing would end the hosts' tasks (--no-kill) or write the job's exit code.
     return Job(config=config, sets=list(a.set), nodes=a.nodes, nproc=nproc, run_dir=cfg.run.dir,
-               name=job_name(cfg.run.dir, a.name, hashed=a.k8s), evicted=evicted_nodes(ledger),
-               ledger=ledger, store_control=cfg.resilience.control == "store")  # fmt: skip
+               name=job_name(cfg.run.dir, a.name, hashed=a.k8s), ledger=ledger,
+               store_control=r.supervise and r.control == "store")  # fmt: skip
 
 
 def _check_out(a: argparse.Namespace, config: str) -> None:
@@ -102,15 +106,18 @@ def _excluded(job: Job) -> str:
 
 
 def _slurm(a: argparse.Namespace) -> int:
-    from wanka.launch.slurm import SlurmResources, render, submit
+    from wanka.launch.slurm import SlurmResources, check_chdir, check_resources, render, submit
 
-    # Absolute: the script runs in --chdir, but a path the user typed is relative to here.
-    job = _job(a, str(Path(a.config).resolve()))
     res = SlurmResources(gpus_per_node=a.gpus_per_node, gres=a.gres, cpus_per_task=a.cpus_per_task,
                          partition=a.partition, account=a.account, time=a.time,
                          warn_s=300 if a.warn_seconds is None else a.warn_seconds,
                          rdzv_port=a.rdzv_port)  # fmt: skip
+    check_resources(res)
+    check_chdir(os.getcwd())
     wanka = _wanka_cmd(a, [sys.executable, "-m", "wanka.cli"])
+    # Absolute: the script runs in --chdir, but a path the user typed is relative to here.
+    job = _job(a, str(Path(a.config).resolve()))
+    job.evicted = evicted_nodes(job.ledger)
     text = render(job, res, wanka, os.getcwd(), how=shlex.join(["wanka", *a.argv]))
     out = a.out
     if a.submit and out is None:
@@ -125,7 +132,14 @@ def _slurm(a: argparse.Namespace) -> int:
 
 
 def _k8s(a: argparse.Namespace) -> int:
-    from wanka.launch.k8s import K8sOptions, check_options, node_range, render, to_yaml
+    from wanka.launch.k8s import (
+        K8sOptions,
+        check_options,
+        check_run_dir,
+        node_range,
+        render,
+        to_yaml,
+    )
 
     opts = K8sOptions(image=a.image, kind=a.kind or "pytorchjob", namespace=a.namespace,
                       min_nodes=a.min_nodes, max_nodes=a.max_nodes, gpus_per_node=a.gpus_per_node,
@@ -137,8 +151,10 @@ def _k8s(a: argparse.Namespace) -> int:
     # The config path is the container's: as given, relative to its working directory. The
     # config must fit every node count of the elastic range.
     lo, hi = node_range(a.nodes, opts)
-    job = _job(a, a.config, range(lo, hi + 1))  # torchrun may form any size in between
     wanka = _wanka_cmd(a, ["wanka"])
+    job = _job(a, a.config, range(lo, hi + 1))  # torchrun may form any size in between
+    check_run_dir(job.run_dir, opts)
+    job.evicted = evicted_nodes(job.ledger)
     doc = render(job, opts, wanka)
     header = (f"{doc['kind']} {job.name}: {job.nodes} node(s) x {job.nproc} rank(s) of "
               f"`wanka train`, {_excluded(job)}\nwritten by: {shlex.join(['wanka', *a.argv])}\n"
@@ -149,9 +165,30 @@ def _k8s(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_utf8(a: argparse.Namespace) -> None:
+    """The script or manifest is UTF-8 text and carries the arguments (the command, the
+    `written by` line): one that is not UTF-8 (a file name's bytes, which Python hands over as
+    lone surrogates) is named here, not left to a codec error on writing, or to a manifest
+    whose YAML the API server would read back as another name."""
+    named = [(d, v) for d, v in vars(a).items() if d != "argv"] + [("argv", a.argv)]
+    for dest, value in named:
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                what = {"config": "the config path", "argv": "argument"}.get(dest, _flag(dest))
+                shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                raise ValueError(f"{what} {shown} is not valid UTF-8, which the script or "
+                                 "manifest must be: pass UTF-8 text (for a file: rename it, or "
+                                 "link to it under a UTF-8 name)") from None  # fmt: skip
+
+
 def _launch(a: argparse.Namespace) -> int:
     a.argv = list(getattr(a, "argv", None) or ["launch"])  # wanka.cli sets it
     _check_mode(a)
+    _check_utf8(a)
     return _slurm(a) if a.slurm else _k8s(a)
 
 
@@ -203,6 +240,7 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--grace-seconds", type=int, default=None,
                    help="SIGTERM to SIGKILL: room for the last-gasp checkpoint (default 300)")  # fmt: skip
     k.add_argument("--pvc", default=None, metavar="CLAIM:PATH",
-                   help="mount a PersistentVolumeClaim (shared run.dir and ledger) at PATH")  # fmt: skip
+                   help="mount a PersistentVolumeClaim at PATH: shared storage for run.dir "
+                        "(which must be under PATH) and the ledger")  # fmt: skip
     k.add_argument("--workdir", default=None, help="the container's working directory")
     p.set_defaults(fn=_launch)

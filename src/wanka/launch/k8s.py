@@ -94,10 +94,44 @@ def check_options(nodes: int, o: K8sOptions) -> None:
         claim, _, path = o.pvc.partition(":")
         if len(claim) > 253 or not _DNS_SUBDOMAIN.match(claim) or not path.startswith("/"):
             raise ValueError(f"--pvc {o.pvc!r}: CLAIM:/mount/path, e.g. --pvc train-data:/data")
+        if ":" in path:  # Docker's CLAIM:/data:ro would mount at "/data:ro"
+            raise ValueError(f"--pvc {o.pvc!r}: no ':' in the mount path (the claim is mounted "
+                             "read-write, which run.dir needs: there is no :ro); e.g. --pvc "
+                             f"{claim}:{path.split(':')[0]}")  # fmt: skip
         if posixpath.normpath(path) in ("/", "//", "/dev/shm"):
             raise ValueError(f"--pvc {o.pvc!r}: {path} is not a mount point for shared storage "
                              "(/dev/shm is the pod's memory for the in-memory snapshots); "
                              "mount the claim elsewhere, e.g. --pvc CLAIM:/data")  # fmt: skip
+
+
+def check_run_dir(run_dir: str, o: K8sOptions) -> None:
+    """run.dir must be on the --pvc volume: a pod's own filesystem would give each pod its own
+    run directory (its own lock, a share of the checkpoint shards), lost with the pod."""
+    example = f"--set run.dir={_mount(o.pvc) if o.pvc else '/data'}/runs/NAME"
+    if not o.pvc:
+        raise ValueError(f"run.dir {run_dir} is on no shared storage: each pod would write its "
+                         "own, lost with the pod; add --pvc CLAIM:PATH (the claim every pod "
+                         "mounts) and put run.dir under PATH, e.g. --pvc CLAIM:/data "
+                         f"{example}")  # fmt: skip
+    mount = _mount(o.pvc)
+    if posixpath.isabs(run_dir):
+        where = posixpath.normpath(run_dir)
+    elif o.workdir:  # the container runs in --workdir
+        where = posixpath.normpath(posixpath.join(o.workdir, run_dir))
+    else:
+        raise ValueError(f"run.dir {run_dir} is relative to the image's working directory, which "
+                         f"is unknown here: pass --workdir under the --pvc mount {mount} (e.g. "
+                         f"--workdir {mount}), or {example}")  # fmt: skip
+    w, m = where.lstrip("/"), mount.lstrip("/")  # "//data" is "/data" to the kubelet too
+    if w != m and not w.startswith(m + "/"):
+        shown = run_dir if where == run_dir else f"{run_dir} ({where} in the container)"
+        raise ValueError(f"run.dir {shown} is not under the --pvc mount {mount}: each pod would "
+                         f"write its own, lost with the pod; {example}, or mount the storage "
+                         "that holds run.dir with --pvc CLAIM:PATH")  # fmt: skip
+
+
+def _mount(pvc: str) -> str:
+    return posixpath.normpath(pvc.partition(":")[2])
 
 
 def node_range(nodes: int, o: K8sOptions) -> tuple[int, int]:
@@ -127,8 +161,8 @@ def _pod_template(job: Job, o: K8sOptions, command: list[str], restart: str, por
         n = str(o.gpus_per_node)  # quantities are strings in the API
         container["resources"] = {"limits": {o.accelerator: n}, "requests": {o.accelerator: n}}
     if o.pvc:
-        claim, _, path = o.pvc.partition(":")
-        container["volumeMounts"].append({"name": "shared", "mountPath": posixpath.normpath(path)})
+        claim = o.pvc.partition(":")[0]
+        container["volumeMounts"].append({"name": "shared", "mountPath": _mount(o.pvc)})
         volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": claim}})
     if o.workdir:
         container["workingDir"] = o.workdir

@@ -82,6 +82,12 @@ def check_resources(res: SlurmResources) -> None:
         raise ValueError(f"--rdzv-port must be 1-65534 (got {res.rdzv_port})")
 
 
+def check_chdir(chdir: str) -> None:
+    if not _SBATCH_VALUE.match(chdir):
+        raise ValueError(f"cannot run the job in {chdir!r} (sbatch's --chdir takes no spaces "
+                         "or quotes): run wanka launch from another directory")  # fmt: skip
+
+
 def _directives(job: Job, res: SlurmResources, chdir: str) -> list[str]:
     """`#SBATCH` lines, each after a comment saying what it is for."""
     out = ["# One task per node: its `wanka train` starts the node's ranks and supervises them.",
@@ -115,9 +121,7 @@ def _directives(job: Job, res: SlurmResources, chdir: str) -> list[str]:
         reasons = "; ".join(f"{n}: {r}" for n, r in sorted(job.evicted.items()))
         out.append(f"# Evicted in the fault ledger {job.ledger} ({reasons})".replace("\n", " "))
         out.append(f"#SBATCH --exclude={','.join(sorted(job.evicted))}")
-    if not _SBATCH_VALUE.match(chdir):
-        raise ValueError(f"cannot run the job in {chdir!r} (sbatch's --chdir takes no spaces "
-                         "or quotes): run wanka launch from another directory")  # fmt: skip
+    check_chdir(chdir)
     out.append(f"#SBATCH --chdir={chdir}")
     return out
 
