@@ -73,7 +73,9 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
             return Supervisor(cfg, worker, args.nproc, rdzv, chaos,
                               cluster_state=args.cluster_state or "").run()  # fmt: skip
         from wanka.cluster.launch import launch_on_cluster
+        from wanka.train.run_lock import launching
 
+        launching()
         return launch_on_cluster(args.nproc, worker, state_dir=args.cluster_state,
                                  spare_nodes=cfg.resilience.spare_nodes)  # fmt: skip
     nnodes = int(str(args.nnodes or 1).split(":")[-1])
@@ -109,6 +111,9 @@ def _launch_job(args: argparse.Namespace, cfg, rdzv: dict) -> int:
         return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
     if args.chaos:  # the supervisor injects faults: without it they would silently not happen
         raise ValueError("--chaos needs the supervisor: drop resilience.supervise=false")
+    from wanka.train.run_lock import launching
+
+    launching()  # (the supervisor replaces the start-up handlers itself)
     if args.nproc > 1 or args.nnodes is not None:
         rc = launch(args.nproc, rdzv, worker)
         if rc not in (0, 2):  # 2: a rank already printed the one-line reason

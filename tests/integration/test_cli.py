@@ -79,6 +79,23 @@ def test_rerun_resumes_and_finishes(trained):
     assert {f: (run_dir / f).read_bytes() for f in before} == before
 
 
+def test_a_run_killed_after_its_last_checkpoint_finishes_its_end_on_rerun(trained):
+    """Killed after the final checkpoint but before its summary (in the final eval, say): the
+    rerun does the end again instead of calling the run finished without a summary."""
+    run_dir, _ = trained
+    summary = run_dir / "summary.json"
+    kept = summary.read_bytes()
+    summary.unlink()
+    try:
+        r = wanka("train", "configs/demo.toml", "--set", "train.steps=4", "--set", "parallel.ep=1",
+                  "--set", "data.val_batches=2", "--set", "run.tensorboard=false", "--set", f'run.dir="{run_dir}"')  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "already finished" not in r.stdout + r.stderr
+        assert json.loads(summary.read_text())["resumed_from_step"] == 4
+    finally:
+        summary.write_bytes(kept)
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

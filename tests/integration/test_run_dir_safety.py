@@ -221,12 +221,18 @@ def test_a_stop_request_as_the_job_starts_is_one_line_and_frees_the_lock(tmp_pat
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.time() + 120
-        while not lock.exists() and p.poll() is None and time.time() < deadline:
+        # The record is written just before the handlers go in (microseconds later).
+        while (
+            p.poll() is None
+            and time.time() < deadline
+            and not (lock.exists() and lock.stat().st_size)
+        ):
             time.sleep(0.01)
+        time.sleep(0.05)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=120)
     finally:
         p.kill()
     assert p.returncode == 75, err[-3000:]
-    assert "stopped on request" in _one_line(err)
+    assert "stopped on request (SIGTERM) before the job started" in _one_line(err)
     assert not lock.exists()

@@ -102,7 +102,8 @@ def test_a_launch_that_never_met_its_hosts_is_not_a_success(tmp_path, capsys, mo
     sup._classify(out)
     assert out.cause == "startup_failure"  # was "success"
     monkeypatch.setattr(sup, "_attempt", lambda attempt: Outcome(
-        "startup_failure", detail="RendezvousTimeoutError: timed out", launch_failed=True))  # fmt: skip
+        "startup_failure", detail="RendezvousTimeoutError: timed out", launch_failed=True,
+        never_met=True))  # fmt: skip
     assert sup._run() == 1
     err = [x for x in capsys.readouterr().err.splitlines() if "never met" in x]
     assert len(err) == 1 and "the 2 hosts never met at the rendezvous at 10.0.0.9:29500" in err[0]

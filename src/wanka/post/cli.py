@@ -101,6 +101,9 @@ def _launch(args: argparse.Namespace, cfg, rdzv: dict, chaos) -> int:
         return Supervisor(cfg, worker, args.nproc, rdzv, chaos).run()
     if chaos:
         raise ValueError("--chaos needs the supervisor: drop resilience.supervise=false")
+    from wanka.train.run_lock import launching
+
+    launching()  # stop requests are the launcher's (or the job's) from here on
     if args.nproc > 1 or args.nnodes is not None:
         rc = launch(args.nproc, rdzv, worker)
         if rc not in (0, 2):  # 2: a rank already printed the one-line reason

@@ -293,8 +293,9 @@ class ChaosDriver:
             fid = int(p.stem) if p.stem.isdigit() else None
             if fid in self.fired or fid not in specs:
                 continue
-            try:  # a mark left by another schedule (another fault at that place) is not ours
-                if p.read_text().strip() == specs[fid]:
+            try:  # a mark left by another schedule (another fault at that place) is not ours;
+                # an empty one is from before marks named their fault: taken as ours, as then
+                if p.read_text().strip() in ("", specs[fid]):
                     self.fired[fid] = p.stat().st_mtime
             except OSError:
                 continue
@@ -767,9 +768,11 @@ def mark_fired(marks: Path, f: Fault, t: float | None = None) -> None:
     that a mark a run directory kept from another schedule suppresses no other fault."""
     marks.mkdir(parents=True, exist_ok=True)
     path = marks / f"{f.id}.fired"
-    path.write_text(f.spec() + "\n")
+    tmp = marks / f".{f.id}.fired.tmp"  # whole or absent: a reader never sees it empty
+    tmp.write_text(f.spec() + "\n")
     if t is not None:
-        os.utime(path, (t, t))
+        os.utime(tmp, (t, t))
+    os.replace(tmp, path)
 
 
 def _node_index(name: str) -> int | None:

@@ -71,6 +71,7 @@ class Outcome:
     launcher_killed: tuple[str, int] | None = None  # (node, code): its launcher died of a signal
     limit_s: float | None = None  # the learned hang limit the fault was detected within
     launch_failed: bool = False  # the launcher's own error (a rendezvous that never formed)
+    never_met: bool = False  # ... before any rank of this host started
 
 
 def _blame(out: Outcome, hb_dir: Path, attempt: int) -> None:
@@ -367,6 +368,9 @@ class Supervisor:
             out.detail = f"{type(launch_error).__name__}: {first}"
             out.t_detect = out.t_detect or time.time()
             out.launch_failed = True  # no rank's exit code to go by (read as success before)
+            # No rank of this host ever beat: its hosts never met (else a host that served the
+            # store crashed during set-up, a fault to restart from)
+            out.never_met = not any(hb_dir.glob("rank*"))
         if out.launcher_killed is not None:
             self._node_lost(out)
         if out.cause == "node_lost" and out.node and self._warm is not None:
@@ -645,8 +649,12 @@ class Supervisor:
                     self.control.abort(f"the coordinator stopped on request: {e}")
             return rc
         except BaseException as e:  # the other hosts' ranks must not wait on ours
+            from wanka.train.run_lock import StoppedBeforeStart
+
             if isinstance(e, ValueError):  # said in one line by the CLI, which exits 2
                 rc = EXIT_USER_ERROR
+            elif isinstance(e, StoppedBeforeStart):  # the CLI says it and exits 75, so does
+                rc = EXIT_PREEMPTED  # the job's recorded code (a batch script requeues on it)
             if self._hosts() and not self.follows:
                 self.control.abort(f"the coordinator stopped: {type(e).__name__}: {e}")
             raise
@@ -687,12 +695,12 @@ class Supervisor:
                 shutil.rmtree(where / self.job, ignore_errors=True)
 
     def _run(self) -> int:
+        self._catch_stop_requests()  # first: the import below takes seconds
         import wanka.train.trainer  # noqa: F401  (imported once here, inherited by every fork)
 
         t_job = time.time()
         self.timeline.event("job", t_job, None, job=self.job, node=self.node)
         summary_before = _file_id(self.run_dir / "summary.json")  # an earlier run's, if any
-        self._catch_stop_requests()
         self._start_first_launchers()
         if self.rc.preflight != "off":
             rc = self._preflight(live=self.rc.preflight == "full")
@@ -734,7 +742,7 @@ class Supervisor:
             if out.cause == "success":
                 rc = 0
                 break
-            if out.launch_failed and attempt == 1 and out.max_step < 0 and self.nnodes > 1:
+            if out.never_met and attempt == 1 and out.max_step < 0 and self.nnodes > 1:
                 # The hosts never met (torchrun gives up too): nothing ran, no host to blame.
                 where = self.rdzv.get("rdzv_endpoint") or self.rdzv.get("master_addr") or "?"
                 print(f"{self.says} the {self.nnodes} hosts never met at the rendezvous at "

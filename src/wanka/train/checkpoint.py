@@ -261,6 +261,18 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=_named_step)
 
 
+def _prune(path: Path) -> None:
+    """Delete an old checkpoint: renamed out of the step-N names first, so that a kill during
+    the delete leaves a `.partial-` folder (removed at the next start), never a step-N folder
+    without its manifest (said at every start, never pruned)."""
+    gone = path.with_name(f"{PARTIAL}pruned-{path.name}")
+    try:
+        os.replace(path, gone)
+    except OSError:
+        gone = path
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def unmarked_checkpoints(root: Path) -> list[Path]:
     """step-N folders without a manifest (COMPLETE): saves are renamed into place only once
     complete, so one of these lost its manifest (deleted) or was put there by hand."""
@@ -506,7 +518,7 @@ class Checkpointer:
                 problem = write_failure(e, self.root)
             if problem is None:
                 for old in complete_checkpoints(self.root)[: -self.keep] if self.keep > 0 else []:
-                    shutil.rmtree(old, ignore_errors=True)
+                    _prune(old)
         # The others wait here (a checkpoint phase), not in the next step.
         problem = self._agree(problem)
         if problem is None:
@@ -641,6 +653,23 @@ class Checkpointer:
                 return self._checked
         return None
 
+    @staticmethod
+    def _what_is_wrong(path: Path, field: str, resuming: bool) -> str | None:
+        """What makes `path` no checkpoint to load (one line), before its files are checked."""
+        if not path.is_dir():
+            return f"{field}: no checkpoint directory {path}: fix {field}"
+        if why := unreadable(path):
+            return (f"{field}: checkpoint {path} cannot be read ({why}): fix its permissions or "
+                    f"point {field} at another checkpoint")  # fmt: skip
+        if not (path / MARKER).is_file() and (path / "checkpoints").is_dir() and resuming:
+            return (f"checkpoint.load={str(path)!r} is a run directory, not one of its "
+                    f"checkpoints: point it at {path / 'checkpoints'}/step-N")  # fmt: skip
+        if not (path / MARKER).is_file():
+            return (f"{field}: checkpoint {path} is incomplete (no {MARKER} marker): "
+                    + ("pick an earlier one or set checkpoint.load='none'" if resuming
+                       else "point it at a complete checkpoint, or at its run directory"))  # fmt: skip
+        return None
+
     def _rank_world(self) -> tuple[int, int]:
         if dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
@@ -682,21 +711,16 @@ class Checkpointer:
         model alone (checkpoint.init_weights): optimizer, RNG and the rest stay as built.
         `field`: the setting that named the checkpoint, which the errors point at."""
         resuming = not weights_only
-        if not path.is_dir():
-            raise ValueError(f"{field}: no checkpoint directory {path}: fix {field}")
-        if why := unreadable(path):
-            raise ValueError(f"{field}: checkpoint {path} cannot be read ({why}): fix its "
-                             f"permissions or point {field} at another checkpoint")  # fmt: skip
-        if not (path / MARKER).is_file() and (path / "checkpoints").is_dir() and resuming:
-            raise ValueError(f"checkpoint.load={str(path)!r} is a run directory, not one of its "
-                             f"checkpoints: point it at {path / 'checkpoints'}/step-N")  # fmt: skip
-        if not (path / MARKER).is_file():
-            raise ValueError(f"{field}: checkpoint {path} is incomplete (no {MARKER} marker): "
-                             + ("pick an earlier one or set checkpoint.load='none'" if resuming
-                                else "point it at a complete checkpoint, or at its run directory"))  # fmt: skip
+        checked = path == self._checked  # latest_valid() just checked it in full
+        # Agreed by every rank (the checks below are collective): a folder one rank sees gone
+        # while the others do not must not leave those waiting in the checksums.
+        if problem := self._agree(self._what_is_wrong(path, field, resuming)):
+            if checked:  # the advice for a checkpoint the user named does not apply
+                problem = (f"{field}: checkpoint {path} changed after it was checked (deleted "
+                           "or rewritten meanwhile?); run the same command again")  # fmt: skip
+            raise ValueError(problem)
         # The checkpoint latest_valid() just checked in full: its files' presence and sizes
         # again (it may have changed since), not their checksums.
-        checked = path == self._checked
         problem, _ = self._check_together(path, checksums=not checked)
         if problem is not None and checked:
             raise ValueError(f"{field}: checkpoint {problem}: it changed after it was checked "

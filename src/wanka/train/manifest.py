@@ -6,9 +6,9 @@ at this machine's 1.2 GB/s: for a 3.5 TB checkpoint of the production shape, mos
 per save (past the hang limit), and every rank hashed all of them again at each resume. So at a
 save each rank hashes the files it wrote itself (DCP's ``__RANK_N.distcp``, its rank-local
 file; still in its page cache), rank 0 the rest (DCP's ``.metadata``), and rank 0 writes the
-merged manifest. A check hashes the files round-robin over the ranks of the job doing the
-check (any world size: a checkpoint saved by N ranks is checked by M); every rank checks the
-manifest itself, each file's presence and size.
+merged manifest. A check shares the files round-robin over the ranks of the job doing the
+check (any world size: a checkpoint saved by N ranks is checked by M): every rank reads the
+manifest, and checks presence, size and checksum of its share of the files.
 """
 
 from __future__ import annotations

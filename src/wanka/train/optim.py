@@ -185,9 +185,9 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> flo
 
 def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> list[str]:
     """Make the config win over hyperparameters restored from a checkpoint (a resumed run may
-    change lr, weight decay or betas on purpose; the moments are kept). Returns what changed
-    besides the lr (whose schedule change is said on its own), "train.beta1 0.9 -> 0.95", for
-    the resume to say: config.toml is rewritten, and nothing else would record the old value."""
+    change lr, weight decay or betas on purpose; the moments are kept). Returns what else
+    changed ("train.beta1 0.9 -> 0.95"; the lrs' change is the schedule note's), for the
+    resume to say: config.toml is rewritten, and nothing else would record the old value."""
     fresh = {
         "decay": (cfg.lr, cfg.weight_decay),
         "no_decay": (cfg.lr, 0.0),
@@ -196,12 +196,10 @@ def apply_hyperparameters(optimizer: torch.optim.Optimizer, cfg: TrainConfig) ->
     changed: dict[str, str] = {}
     for g in optimizer.param_groups:
         old = {"weight_decay": g.get("weight_decay"), "beta1": g.get("betas", (None,) * 2)[0],
-               "beta2": g.get("betas", (None,) * 2)[1],
-               "indexer_lr": g.get("base_lr") if g["name"] == "indexer" else None}  # fmt: skip
+               "beta2": g.get("betas", (None,) * 2)[1]}  # fmt: skip
         g["base_lr"], g["weight_decay"] = fresh[g["name"]]
         g["betas"] = (cfg.beta1, cfg.beta2)
-        new = {"weight_decay": g["weight_decay"], "beta1": cfg.beta1, "beta2": cfg.beta2,
-               "indexer_lr": cfg.indexer_lr if g["name"] == "indexer" else None}  # fmt: skip
+        new = {"weight_decay": g["weight_decay"], "beta1": cfg.beta1, "beta2": cfg.beta2}
         if g["name"] == "no_decay":
             del old["weight_decay"], new["weight_decay"]  # always 0
         for k, was in old.items():

@@ -481,6 +481,18 @@ class StoppedBeforeStart(BaseException):  # past `except Exception` on its way o
     """A stop request before the job launched anything: nothing ran, nothing to save."""
 
 
+_BEFORE_START: dict = {}  # signal -> the handler job_start() replaced
+
+
+def launching() -> None:
+    """The job starts now (torchrun's agent, the cluster launcher, or training in this very
+    process): stop requests are theirs from here on, not "nothing ran"."""
+    for sig, handler in _BEFORE_START.items():
+        if signal.getsignal(sig) is _stop_before_start:
+            signal.signal(sig, handler)
+    _BEFORE_START.clear()
+
+
 def _stop_before_start(signum: int, _frame) -> None:
     raise StoppedBeforeStart(f"stopped on request ({signal.Signals(signum).name}) before the job "
                              "started: nothing ran; run the same command again to start it")  # fmt: skip
@@ -497,7 +509,7 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
     # Until the supervisor (or torchrun's agent, or the trainer) installs its own handlers
     # (imports and pre-flight take seconds), a stop request killed this process silently
     # and left the lock behind.
-    previous = {sig: signal.signal(sig, _stop_before_start) for sig in STOP_SIGNALS}
+    _BEFORE_START.update({sig: signal.signal(sig, _stop_before_start) for sig in STOP_SIGNALS})
     try:
 
         def say(msg: str) -> None:
@@ -510,7 +522,8 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
             from wanka.train.checkpoint import remove_partials
 
             for p in remove_partials(run_dir / "checkpoints"):
-                say(f"removed {p}: left by a checkpoint save that never finished")
+                what = "deletion of an old checkpoint" if "pruned-" in p.name else "checkpoint save"
+                say(f"removed {p}: left by a {what} that never finished")
         try:
             current = (run_dir / "resilience" / "job_id").read_text().strip()
         except OSError:
@@ -520,7 +533,5 @@ def job_start(cfg, rdzv: dict, argv: list[str]) -> Iterator[RunLock]:
             say(swept_line(f, max_age))
         yield lock
     finally:
-        for sig, handler in previous.items():
-            if signal.getsignal(sig) is _stop_before_start:  # not one installed since
-                signal.signal(sig, handler)
+        launching()  # (if nothing did): the handlers as they were
         lock.release()

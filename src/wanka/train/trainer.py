@@ -468,7 +468,7 @@ def _run(cfg: JobConfig) -> dict:
     if start > cfg.train.steps:
         raise ValueError(f"{job.run_dir} is already at step {start} but train.steps={cfg.train.steps}: "
                          f"raise train.steps above {start} to train on, or use a new run.dir")  # fmt: skip
-    if 0 < start == cfg.train.steps and (not cfg.checkpoint.enable or ckpt.holds(start)):
+    if 0 < start == cfg.train.steps and _finished(job, ckpt, start):
         return _already_finished(job, snapshots)
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
         adopt_dataset_tokenizer(cfg, warn=True)
@@ -551,6 +551,19 @@ def _run(cfg: JobConfig) -> dict:
     return summary
 
 
+def _finished(job: Job, ckpt: Checkpointer, start: int) -> bool:
+    """The run got to its end and wrote its summary (else, e.g. killed in the final eval, it
+    does the end again: eval, summary). Every rank reads rank 0's answer."""
+    ok = [not job.cfg.checkpoint.enable or ckpt.holds(start)]
+    if ok[0] and job.is_main:
+        try:
+            ok[0] = json.loads((job.run_dir / "summary.json").read_text())["steps"] == start
+        except (OSError, ValueError, KeyError, TypeError):
+            ok[0] = False
+    dist.broadcast_object_list(ok, src=0)
+    return bool(ok[0])
+
+
 def _already_finished(job: Job, snapshots) -> dict:
     """A rerun of a finished run: nothing to train. Its summary and metrics stay as they are
     (a rerun wrote a summary of nulls over them and a second final eval row)."""
@@ -561,10 +574,7 @@ def _already_finished(job: Job, snapshots) -> dict:
     if job.is_main:
         log.warning("%s already finished its %d steps: nothing to train (raise train.steps to "
                     "train on, or use a new run.dir)", job.run_dir, steps)  # fmt: skip
-        try:
-            summary = json.loads((job.run_dir / "summary.json").read_text())
-        except (OSError, ValueError):
-            summary = {"steps": steps}
+        summary = json.loads((job.run_dir / "summary.json").read_text())  # (read just now)
     job.runtime.progress.close()
     dist.barrier()
     dist.destroy_process_group()
