@@ -181,8 +181,12 @@ def _bench_moe(args: argparse.Namespace) -> int:
 def _bench_ep(args: argparse.Namespace) -> int:
     from wanka.bench.comm_cases import parse_gbit
     from wanka.bench.ep import bench_ep_main
+    from wanka.bench.output import check_out, sigterm_as_exit
 
-    return bench_ep_main(Path(args.out), list(parse_gbit(args.gbit)), args.quick)
+    gbits = list(parse_gbit(args.gbit))
+    check_out(Path(args.out))  # before the runs, not after them
+    with sigterm_as_exit():  # the testbed comes down on SIGTERM too
+        return bench_ep_main(Path(args.out), gbits, args.quick)
 
 
 def _bench_ops(args: argparse.Namespace) -> int:

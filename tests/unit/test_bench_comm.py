@@ -62,8 +62,10 @@ def test_parse_gbit(text, want):
     assert parse_gbit(text) == want
 
 
-@pytest.mark.parametrize("text,why", [("1,x", "not a number"), ("0", "> 0"), ("-1", "> 0"),
-                                      ("inf", "> 0"), ("1,1", "listed twice"), ("", "not a number")])  # fmt: skip
+@pytest.mark.parametrize("text,why", [("1,x", "not a number"), ("0", "0.001 to 1000"),
+                                      ("-1", "0.001 to 1000"), ("inf", "0.001 to 1000"),
+                                      ("2000", "0.001 to 1000"), ("0.0001", "0.001 to 1000"),
+                                      ("1,1", "listed twice"), ("", "not a number")])  # fmt: skip
 def test_parse_gbit_rejects(text, why):
     with pytest.raises(ValueError, match=why):
         parse_gbit(text)
@@ -230,6 +232,10 @@ def test_no_testbed_is_one_line(monkeypatch):
     (["--gbit", "none"], "nothing to measure"), (["--steps", "5,3"], "bad --steps"),
     (["--warmup", "3", "--steps", "3,6"], "--warmup 3"), (["--repeats", "0"], "--repeats"),
     (["--case", "x"], "bad --case"), (["--table", "/no/such.json"], "no such file"),
+    # 200000 local ranks filled the memory (the bench's runs skip the pre-flight)
+    (["--nproc-per-node", "100000"], "--nproc-per-node 100000: this machine has"),
+    (["--gbit", "2000"], "bad --gbit '2000'"),  # named --link-gbit, after a run dir was made
+    (["--out", "/"], "--out / is a directory"),  # found after the whole benchmark before
 ])  # fmt: skip
 def test_cli_bad_flags_exit_2_with_one_line(argv, why, capsys):
     assert main(["bench", "comm", *argv]) == 2
@@ -251,3 +257,28 @@ def test_convergence_verdict_tells_a_lower_loss_from_a_higher_one():
     report.add_convergence_diffs(cases)
     assert [cases[n]["met"] for n in cases] == [True, False, False, True]
     assert [cases[n]["verdict"] for n in cases] == ["met", "lower", "MISSED", "met"]
+
+
+def test_bench_ep_checks_out_before_it_runs(tmp_path, capsys):
+    assert main(["bench", "ep", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a directory" in err and "\n" not in err
+
+
+def test_sigterm_ends_a_bench_through_its_finally_blocks():
+    import os
+    import signal
+
+    from wanka.bench.output import sigterm_as_exit
+
+    cleaned = []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with sigterm_as_exit():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.pause()
+            finally:
+                cleaned.append("testbed down")
+    assert e.value.code == 143 and cleaned == ["testbed down"]
+    assert signal.getsignal(signal.SIGTERM) is before

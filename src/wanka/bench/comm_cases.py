@@ -97,8 +97,8 @@ def parse_gbit(text: str) -> tuple[float, ...]:
             raise ValueError(
                 f"bad --gbit {text!r}: {tok!r} is not a number (use e.g. 1,10)"
             ) from None
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"bad --gbit {text!r}: link rates must be > 0 Gbit/s")
+        if not math.isfinite(value) or not 0.001 <= value <= 1000:  # what tc shapes (netns.py)
+            raise ValueError(f"bad --gbit {text!r}: link rates are 0.001 to 1000 Gbit/s")
         if value in out:
             raise ValueError(f"bad --gbit {text!r}: {tok} is listed twice")
         out.append(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from wanka.bench.comm_cases import DEFAULT_CASES, KNOWN, parse_gbit, parse_steps, select_cases
@@ -51,10 +52,18 @@ def _main(a: argparse.Namespace) -> int:
     }  # fmt: skip
     if a.config and not Path(a.config).is_file():
         raise FileNotFoundError(f"--config {a.config}: no such file")
+    cores = os.cpu_count() or 1
+    if opts["nproc_per_node"] > cores:  # gloo ranks on this machine's cores; 200000 of them
+        # (no pre-flight in the bench's runs) filled the memory
+        raise ValueError(f"--nproc-per-node {opts['nproc_per_node']}: this machine has {cores} "
+                         "core(s), and each node's ranks run on them: use at most that")  # fmt: skip
     out = Path(a.out or ("runs/bench/comm.json" if gbits else "runs/bench/comm_converge.json"))
     from wanka.bench.comm import bench_comm_main
+    from wanka.bench.output import check_out, sigterm_as_exit
 
-    return bench_comm_main(cases, opts, out, a.keep_runs)
+    check_out(out)  # before the runs, not after them
+    with sigterm_as_exit():  # the testbed comes down on SIGTERM too
+        return bench_comm_main(cases, opts, out, a.keep_runs)
 
 
 def add_bench_comm_parser(sub) -> None:

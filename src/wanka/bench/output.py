@@ -5,7 +5,10 @@ leave half a JSON where the previous results were)."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -42,3 +45,19 @@ def write_out(out: Path, text: str) -> None:
             Path(tmp).unlink(missing_ok=True)
         raise ValueError(f"cannot write {out} ({e.strerror}): it is as it was; free space or "
                          "pass another --out, then run the benchmark again") from None  # fmt: skip
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM (timeout, Slurm, systemd) ends the bench through its `finally:` blocks, as
+    Ctrl-C does: by default it killed the process and left a cluster testbed (network
+    namespaces, links) up, which refused every later run."""
+
+    def stop(signum: int, _frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
