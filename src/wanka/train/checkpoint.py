@@ -338,13 +338,14 @@ def supersede(root: Path, loaded: Path) -> Path | None:
 
 
 class Checkpointer:
+    _checked: Path | None = None  # what latest_valid() / newest_sound() just checked in full
+
     def __init__(self, root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  keep: int, async_save: bool, is_main: bool) -> None:  # fmt: skip
         self.root, self.model, self.optimizer = root, model, optimizer
         self.keep, self.async_save, self.is_main = keep, async_save, is_main
         self._pending: tuple[Any, Path, int, float, bool] | None = None
         self.skipped: list[str] = []  # damaged checkpoints latest_valid() passed over
-        self._checked: Path | None = None  # what latest_valid() just checked in full
         self.none_usable = 0  # latest_valid() found only damaged checkpoints: how many
         self.unreadable = 0  # ... and how many it could not read (permissions)
         self.last_save_seconds = 0.0
