@@ -423,6 +423,12 @@ def bench_memory_main(out: Path, quick: bool, modes: tuple[str, ...] = ("off",),
     if cp and set(modes) != {"off"}:
         raise ValueError("--cp runs with --ac off only: context parallelism refuses activation "
                          "checkpointing (docs/CONTEXT_PARALLEL.md)")  # fmt: skip
+    try:
+        _reset_hwm()
+    except OSError as e:
+        raise ValueError(f"bench memory reads each step's peak by resetting it through "
+                         f"/proc/self/clear_refs, which this system refuses ({e.strerror}); run "
+                         f"it on a Linux host or container with a writable /proc") from e  # fmt: skip
     rows = []
     for mode in modes:
         for c in cp_cases(quick) if cp else cases(quick):

@@ -100,22 +100,70 @@ def flops(case: dict) -> tuple[float, float]:
     return f, 3.5 * f  # backward ~2.5x forward for attention (recompute of scores included)
 
 
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
 def peak_rss_window() -> Callable[[], float]:
     """Start measuring peak memory; returns a function giving the peak RSS growth in MiB since.
 
     On Linux, writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS, so building
-    the inputs and indices beforehand does not hide the op's own peak. Where that fails (other
-    systems, a read-only /proc) it falls back to the growth of the process's max RSS, both ends
-    read from that same counter."""
-    import resource
-
+    the inputs and indices beforehand does not hide the op's own peak. Where that is refused or
+    does nothing (a read-only /proc, sandboxed kernels), the process's max RSS only moves once
+    the op beats every earlier peak of the process, so a thread also samples the RSS every
+    millisecond: the answer is the larger of the two (the sampled one may miss a peak shorter
+    than a millisecond, never invents one)."""
     try:
-        Path("/proc/self/clear_refs").write_text("5")
         base = _status_kib("VmRSS")
-        return lambda: (_status_kib("VmHWM") - base) / 1024
+        CLEAR_REFS.write_text("5")
+        if _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024:  # the reset took
+            base = _status_kib("VmRSS")
+            return lambda: max(0, _status_kib("VmHWM") - base) / 1024
     except OSError:
-        start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return lambda: (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start) / 1024
+        pass
+    return _SampledPeak()
+
+
+class _SampledPeak:
+    """Peak RSS growth from the process's max RSS where it moved, else from 1 ms samples."""
+
+    def __init__(self) -> None:
+        import resource
+        import threading
+        import weakref
+
+        self._resource = resource
+        self._start_max = self._max_rss_kib()
+        try:
+            self._base = _status_kib("VmRSS")
+        except OSError:  # no /proc (other systems): only the max RSS counter
+            self._base = self._start_max
+        self._sampled = [self._base]
+        stop = threading.Event()
+        if Path("/proc/self/status").exists():
+            threading.Thread(target=_sample_rss, args=(self._sampled, stop), daemon=True).start()
+        weakref.finalize(self, stop.set)
+
+    def _max_rss_kib(self) -> int:
+        return self._resource.getrusage(self._resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+    def __call__(self) -> float:
+        peak = self._sampled[0]
+        try:
+            peak = max(peak, _status_kib("VmRSS"))  # now, too: the sampler may not have run yet
+        except OSError:
+            pass
+        now_max = self._max_rss_kib()
+        if now_max > self._start_max:  # a new peak of the process: it came inside the window
+            peak = max(peak, now_max)
+        return max(0, peak - self._base) / 1024
+
+
+def _sample_rss(sampled: list[int], stop) -> None:
+    while not stop.wait(0.001):
+        try:
+            sampled[0] = max(sampled[0], _status_kib("VmRSS"))
+        except OSError:
+            return
 
 
 def _status_kib(field: str) -> int:
