@@ -13,6 +13,7 @@ import atexit
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -32,3 +33,23 @@ def exit_now(code: int | None) -> NoReturn:
         except (OSError, ValueError, AttributeError):  # closed or replaced: nothing to keep
             pass
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def end_with_parent(sig: int = 15) -> Callable[[], None]:
+    """A `preexec_fn` for subprocess.Popen: the child gets `sig` (SIGTERM by default) when the
+    process that started it dies, SIGKILL included, so a benchmark killed outright does not
+    leave its job running in its own session. Linux only (prctl); elsewhere it does nothing."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+
+    return arm

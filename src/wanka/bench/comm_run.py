@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from wanka.process_exit import end_with_parent
+
 # Every run: nothing but training and the final evaluation, the same in runs of any length.
 # No checkpoints, no mid-run evaluation, no in-memory snapshots (their replica goes to a rank
 # on the other node: per-step link traffic that is not gradient reduction), no supervisor.
@@ -57,8 +59,9 @@ def run_train(argv: list[str], log: Path, timeout: float) -> float:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.time()
     with open(log, "w") as out:
+        # Its own session (stopped as a group), ended with this process even by SIGKILL.
         p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)  # fmt: skip
+                             start_new_session=True, preexec_fn=end_with_parent())  # fmt: skip
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -25,6 +25,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from wanka.process_exit import end_with_parent
 from wanka.resilience.chaos import (
     ChaosDriver,
     check_fill_allowed,
@@ -140,7 +141,7 @@ def _submit(target: list[str], nproc: int, max_restarts: int, env: dict, log,
         argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                 restarts, "--standalone", *target]  # fmt: skip
         return [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)]  # fmt: skip
+                                 start_new_session=True, preexec_fn=end_with_parent())]  # fmt: skip
     import uuid
 
     from wanka.cluster import nodes as nd
@@ -152,7 +153,8 @@ def _submit(target: list[str], nproc: int, max_restarts: int, env: dict, log,
     rdzv_id, port = f"drill-{uuid.uuid4().hex[:8]}", RDZV_PORT + 50 + submission % 50
     return [nd.popen(n, torchrun_argv(st, i, nproc, target, rdzv_id, port, nodes=nodes,
                                       extra=[restarts]),
-                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                     preexec_fn=end_with_parent())
             for i, n in enumerate(nodes)]  # fmt: skip
 
 
