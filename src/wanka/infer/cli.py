@@ -169,12 +169,12 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
             args.eos,
             tok.vocab_size,
         )
-        printer = _Streamer(tok, batch[0]) if stream else None
+        printer = _Streamer(tok, batch[0], ids[0]) if stream else None
         out = gen.generate(ids, args.max_new_tokens, printer)
         if printer is not None:
             printer.flush()
-        for prompt, completion in zip(batch, out):
-            text = tok.decode(completion)
+        for prompt, prompt_ids, completion in zip(batch, ids, out):
+            text = completion_text(tok, prompt_ids, completion)
             if args.json:
                 print(json.dumps({"prompt": prompt, "completion": text, "tokens": len(completion)}))
             elif not stream:
@@ -189,22 +189,38 @@ def _decode(args, prompts: list[str], encoded: list[list[int]], model, tok, samp
     return 0
 
 
+# Prompt tokens decoded ahead of a completion (completion_text): enough for a decoder to see
+# that the completion does not start the text.
+_CONTEXT_TOKENS = 8
+
+
+def completion_text(tok, prompt_ids: list[int], ids: list[int]) -> str:
+    """The text `ids` add after the prompt. Not tok.decode(ids): decoders that strip the
+    leading space of what they decode (SentencePiece's Metaspace, Llama's Strip) would drop
+    the completion's first space ("Hello" + "▁world" -> "Helloworld"). Decoded after the
+    prompt's last tokens instead, minus their own text."""
+    context = list(prompt_ids[-_CONTEXT_TOKENS:])
+    head, full = tok.decode(context), tok.decode(context + list(ids))
+    return full[len(head) :] if full.startswith(head) else tok.decode(ids)
+
+
 class _Streamer:
     """Writes a row's text as tokens arrive, holding back a cut multi-byte character. The
     prompt comes with the first token: a model that fails at once prints nothing."""
 
-    def __init__(self, tok, prompt: str) -> None:
+    def __init__(self, tok, prompt: str, prompt_ids: list[int]) -> None:
         self.tok, self.ids, self.shown, self.prompt = tok, [], 0, prompt
+        self.prompt_ids = prompt_ids
 
     def __call__(self, row: int, ids: list[int]) -> None:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
+        text = completion_text(self.tok, self.prompt_ids, self.ids)
         end = len(text) - 1 if text.endswith("\ufffd") else len(text)
         self._write(text[self.shown : end])
         self.shown = max(self.shown, end)
 
     def flush(self) -> None:
-        text = self.tok.decode(self.ids)
+        text = completion_text(self.tok, self.prompt_ids, self.ids)
         self._write(text[self.shown :] + "\n")
 
     def _write(self, text: str) -> None:

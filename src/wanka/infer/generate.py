@@ -163,7 +163,11 @@ class Generator:
             if base is not None:  # selected slots move with their rows
                 base = torch.where(base >= 0, base + shifts[:, None, None], base)
             draft = (logits_d, h, base)
-            pos = pos + torch.where(finished, 0, accepted + 1)
+            # Rows done now stop too: a last round may keep drafts past max_new_tokens (or an
+            # EOS), and moving by all of them would put the verify forwards the row still runs
+            # (ignored) past the RoPE table while slower rows go on.
+            done = torch.tensor(self.done, device=self.device)
+            pos = pos + torch.where(done, 0, accepted + 1)
             length += keep
 
     def _mtp_entries(self, cache, start, hidden, after, positions, indices, last):
