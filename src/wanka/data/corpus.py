@@ -54,8 +54,9 @@ def builtin_documents() -> list[Document]:
 
 
 def _unit_hash(seed: int, name: str) -> float:
-    # hashlib, not hash(): Python's str hash is randomised per process.
-    digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
+    # hashlib, not hash(): Python's str hash is randomised per process. surrogateescape: a
+    # file name that is not UTF-8 (Latin-1 from an old archive) holds undecodable bytes.
+    digest = hashlib.sha256(f"{seed}\0{name}".encode("utf-8", "surrogateescape")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 

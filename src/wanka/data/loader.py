@@ -107,8 +107,10 @@ class PackedLoader:
         if self.windows_per_epoch == 0:
             raise ValueError(
                 f"{dataset.split} split of {dataset.path} has {dataset.num_tokens} tokens, "
-                f"too few for one window of seq_len={seq_len}"
-            )
+                f"too few for one window of seq_len={seq_len} (a window reads seq_len + 1): "
+                + (f"lower data.seq_len to {dataset.num_tokens - 1} or less, or add text"
+                   if dataset.num_tokens > 1 else "add text to the corpus")
+            )  # fmt: skip
         self.epoch = 0
         self.window = 0  # next global window index within the epoch
         self._stream: tuple[int, _Stream] | None = None  # cached layout of one epoch

@@ -47,6 +47,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _fix_hint(path: Path) -> str:
+    if path.is_file() and is_prepared(path.parent):  # data.path=ds/train.bin
+        return f"set data.path={path.parent}, the dataset's folder, not a file in it"
     raw = path.is_dir() and (any(path.glob("*.txt")) or any(path.glob("*.jsonl")))
     if path.is_file() or raw:
         # data.path names the raw documents: never suggest preparing over them.
@@ -158,6 +160,9 @@ def prepare_documents(
             )
     if not docs:
         raise ValueError("no documents to prepare")
+    if not any(d.text for d in docs):
+        raise ValueError(f"all {len(docs)} input documents are empty: there is no text to "
+                         "prepare; give files that hold text")  # fmt: skip
     train, val = split_documents(list(docs), val_fraction, seed, min_val_chars)
     dtype = token_dtype(tokenizer.vocab_size)
 
@@ -245,7 +250,7 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
                                  "per line)")  # fmt: skip
             files += [(f, f.relative_to(p).as_posix()) for f in found]
         elif not p.is_file():
-            raise ValueError(f"input not found: {p}")
+            raise _not_a_file(p)
         elif p.suffix.lower() not in (".txt", ".jsonl"):
             raise ValueError(f"unsupported input {p}: expected .txt or .jsonl")
         else:
@@ -256,14 +261,29 @@ def read_input_files(paths: Sequence[str | Path]) -> list[Document]:
     for f, name in files:
         try:
             docs += _read_documents(f, name)
-        except UnicodeDecodeError as e:
-            if e.object[:2] in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark
-                raise ValueError(f"{f} is UTF-16 text: convert it, e.g. `iconv -f UTF-16 -t "
-                                 "UTF-8`, or leave it out") from None  # fmt: skip
-            raise ValueError(f"{f} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                             f"{e.start}): convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or "
-                             "leave it out") from None  # fmt: skip
+        except UnicodeDecodeError:
+            raise _not_utf8(f) from None
     return docs
+
+
+def _not_utf8(f: Path) -> ValueError:
+    """The error for a file that does not decode, at its first bad byte. The decoder's own
+    position is relative to its buffer (a .jsonl is read in chunks; a byte-order mark is cut
+    off first): read again line by line, which a UTF-8 character never spans."""
+    offset = 0
+    with open(f, "rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if offset == 0 and line[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's mark
+                    return ValueError(f"{f} is UTF-16 text: convert it, e.g. `iconv -f UTF-16 "
+                                      "-t UTF-8`, or leave it out")  # fmt: skip
+                return ValueError(f"{f} is not UTF-8 text (byte {line[e.start]:#04x} at offset "
+                                  f"{offset + e.start}, line {lineno}): convert it, e.g. `iconv "
+                                  "-f LATIN1 -t UTF-8`, or leave it out")  # fmt: skip
+            offset += len(line)
+    return ValueError(f"{f} changed while being read: run the command again once it is written")
 
 
 def _visible_files(folder: Path) -> list[Path]:
@@ -293,9 +313,36 @@ def folder_files(folder: Path) -> list[Path]:
     found = sorted(f for f in _visible_files(folder) if f.suffix.lower() in (".txt", ".jsonl"))
     for f in found:
         if not f.exists():
-            raise ValueError(f"{f} is a link to {os.readlink(f)}, which does not exist: fix "
-                             "or remove the link")  # fmt: skip
+            raise _not_a_file(f)
     return found
+
+
+def _not_a_file(p: Path) -> ValueError:
+    """Why an input is not a file to read: missing, a dangling link, a link loop, or a device,
+    pipe or socket (reading /dev/zero or a pipe would never end)."""
+    if p.is_symlink():
+        try:
+            p.stat()
+        except OSError as e:
+            what = (
+                "a link loop" if e.errno == errno.ELOOP else "a link to a path that does not exist"
+            )
+            return ValueError(f"{p} is {what} ({p} -> {os.readlink(p)}): fix or remove the link")
+    if os.path.exists(p):
+        return ValueError(f"{p} is not a regular file (a device, pipe or socket): give .txt or "
+                          ".jsonl files, or leave it out")  # fmt: skip
+    return ValueError(f"input not found: {p}")
+
+
+def _skipped_kinds(inputs: Sequence[str]) -> Counter:
+    """The suffixes of the visible files in folder inputs that are not read."""
+    return Counter(
+        f.suffix.lower() or "no suffix"
+        for p in map(Path, inputs)
+        if p.is_dir()
+        for f in _visible_files(p)
+        if f.suffix.lower() not in (".txt", ".jsonl")
+    )
 
 
 def _other_kinds(folder: Path) -> str:
@@ -402,11 +449,11 @@ def main_prepare(
         if not out.strip():
             raise ValueError("--out is empty: name the folder to write the dataset into")
         out_dir = Path(out)
-        _check_out_is_not_an_input(out_dir, inputs)
         files = [i for i in inputs if i != "builtin"]
         for f in map(Path, files):
-            if not f.exists():
-                raise ValueError(f"input not found: {f}")
+            if not (f.is_file() or f.is_dir()):
+                raise _not_a_file(f)
+        _check_out_is_not_an_input(out_dir, inputs)
         tok = load_tokenizer(tokenizer)
         sources = input_sources(inputs)
         existed = is_prepared(out_dir)
@@ -434,9 +481,17 @@ def main_prepare(
         # that happens to sit next to --out is an input's problem).
         ours = at is not None and (at == dest or dest in at.parents or (
             at.parent == dest.parent and at.name.startswith(f".{dest.name}.")))  # fmt: skip
-        if ours:  # a read-only or full disk: "[Errno 30] ... '.dp.tmp-qqp6zlrj'" before
+        # A write that fails for space carries no file name; reading inputs never does that.
+        ours = ours or (at is None and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        if at is not None and at in dest.parents and e.errno in (errno.EEXIST, errno.ENOTDIR):
+            print(f"wanka data prepare: cannot make --out {out} a folder: a file is in the way "
+                  f"({e.filename}): choose another --out", file=sys.stderr)  # fmt: skip
+        elif ours:  # a read-only or full disk: "[Errno 30] ... '.dp.tmp-qqp6zlrj'" before
             print(f"wanka data prepare: cannot write the dataset at {out} ({e.strerror}): "
                   "choose another --out, or free space there", file=sys.stderr)  # fmt: skip
+        elif e.errno == errno.ENOENT and e.filename:  # listed, then gone before it was read
+            print(f"wanka data prepare: input {e.filename} disappeared while being read: run "
+                  "the command again once the inputs stop changing", file=sys.stderr)  # fmt: skip
         else:
             print(f"wanka data prepare: {e}", file=sys.stderr)
         return 2
@@ -446,6 +501,12 @@ def main_prepare(
         f"train {s['train']['num_docs']} docs {s['train']['num_tokens']:,} tokens; "
         f"val {s['val']['num_docs']} docs {s['val']['num_tokens']:,} tokens"
     )
+    if not existed and (skipped := _skipped_kinds(files)):
+        n = sum(skipped.values())
+        kinds = ", ".join(f"{c} {k}" for k, c in skipped.most_common(4))
+        print(f"{out_dir}: skipped {n} file{'s' * (n > 1)} of other kinds in the input folders "
+              f"({kinds}): wanka reads only .txt and .jsonl; convert them (e.g. gunzip) to "
+              "include them", file=sys.stderr)  # fmt: skip
     if s["val"]["num_docs"] == 0:  # prepared as asked, but `wanka train` will refuse it
         print(f"{out_dir}: no validation documents: `wanka train` needs some; whole documents "
               "are held out, so give 2 or more (and --val-fraction above 0)", file=sys.stderr)  # fmt: skip
