@@ -144,7 +144,9 @@ def test_data_prepare_and_train_on_it(tmp_path):
 
 def test_a_run_on_data_prepared_with_a_tokenizer_records_that_tokenizer(tmp_path):
     """The run's config is what generate / export / post-training decode with: it said
-    data.tokenizer = "byte" for data prepared with a tokenizer.json."""
+    data.tokenizer = "byte" for data prepared with a tokenizer.json. The run keeps its own
+    copy: generate still works after the user moved the file (it said "tokenizer file not
+    found" with no way to pass one)."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -154,21 +156,28 @@ def test_a_run_on_data_prepared_with_a_tokenizer_records_that_tokenizer(tmp_path
     hf = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    hf.save(str(tmp_path / "tokenizer.json"))
+    hf.save(str(tmp_path / "my_vocab.json"))
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(
             " ".join(words[(7 * i + j) % 200] for j in range(400))
         )
     out = tmp_path / "ds"
     r = wanka("data", "prepare", *map(str, sorted(tmp_path.glob("doc*.txt"))), "--out", str(out),
-              "--tokenizer", str(tmp_path / "tokenizer.json"), "--val-fraction", "0.2")  # fmt: skip
+              "--tokenizer", str(tmp_path / "my_vocab.json"), "--val-fraction", "0.2")  # fmt: skip
     assert r.returncode == 0, r.stderr
     r = wanka("train", "--set", f'data.path="{out}"', "--set", "data.seq_len=64", "--set", "train.steps=1",
               "--set", "data.val_batches=1", "--set", "train.micro_batch_size=2",
               "--set", "run.tensorboard=false", "--set", f'run.dir="{tmp_path / "run"}"')  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     saved = load_config(str(tmp_path / "run" / "config.toml"), [])
-    assert saved.data.tokenizer == str((tmp_path / "tokenizer.json").resolve())
+    assert saved.data.tokenizer == str((tmp_path / "my_vocab.json").resolve())
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (
+        tmp_path / "my_vocab.json"
+    ).read_bytes()
+    (tmp_path / "my_vocab.json").rename(tmp_path / "moved.json")
+    r = wanka("generate", str(tmp_path / "run"), "--prompt", "w1 w2", "--max-new-tokens", "3")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stdout.startswith("w1 w2"), r.stdout
 
 
 def test_model_info_for_production_flavor():

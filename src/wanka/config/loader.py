@@ -28,6 +28,16 @@ class ConfigError(ValueError):
         super().__init__(msg + (f" ({hint})" if hint else ""))
 
 
+def _example_config() -> str:
+    """The shipped demo config, by a path that works from any folder (a checkout's configs/
+    beside src/), else as written in the README."""
+    shipped = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+    return str(shipped) if shipped.is_file() else "configs/demo.toml"
+
+
+_EXAMPLE_HINT = f"pass a TOML job file, e.g. {_example_config()}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 check: bool = True) -> JobConfig:  # fmt: skip
     """Read a TOML job file (or the defaults when None), apply overrides, validate (unless
@@ -37,14 +47,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if p.is_dir():
             raise ConfigError("", f"{p} is a folder, not a config file",
-                              "pass a TOML job file, e.g. configs/demo.toml")  # fmt: skip
+                              _EXAMPLE_HINT)  # fmt: skip
         if p.exists() and not p.is_file():  # a FIFO, a device: nothing to read a job from
             raise ConfigError("", f"{p} is not a regular file",
-                              "pass a TOML job file, e.g. configs/demo.toml")  # fmt: skip
+                              _EXAMPLE_HINT)  # fmt: skip
         if not p.is_file():
-            raise ConfigError(
-                "", f"no such config file: {p}", "pass a TOML job file, e.g. configs/demo.toml"
-            )
+            raise ConfigError("", f"no such config file: {p}", _EXAMPLE_HINT)
         try:  # utf-8-sig: Windows editors start a file with a byte-order mark
             raw = tomllib.loads(p.read_text(encoding="utf-8-sig"))
         except tomllib.TOMLDecodeError as e:

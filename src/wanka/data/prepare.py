@@ -448,6 +448,9 @@ def main_prepare(
     try:
         if not out.strip():
             raise ValueError("--out is empty: name the folder to write the dataset into")
+        if not 0 <= val_fraction < 1:  # named as the flag, not as the library's argument
+            raise ValueError(f"--val-fraction {val_fraction} is out of range: give a fraction "
+                             "in [0, 1), e.g. 0.01")  # fmt: skip
         out_dir = Path(out)
         files = [i for i in inputs if i != "builtin"]
         for f in map(Path, files):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -86,3 +87,19 @@ def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
             "(pass 'byte' or the path to a Hugging Face tokenizer.json)"
         )
     return HFTokenizer(path)
+
+
+def keep_run_tokenizer(spec: str, run_dir: Path) -> None:
+    """RUN_DIR/tokenizer.json := the tokenizer file the run trains with, once: generate, export
+    and post-training read the run's copy where the original was moved or deleted. Kept, not
+    refreshed: the first copy is the tokenizer the weights learned (a file edited later is not).
+    Written whole (a reader never sees half of it)."""
+    if spec == "byte":
+        return
+    source = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    own = Path(run_dir) / "tokenizer.json"
+    if own.exists() or not source.is_file() or source.resolve() == own.resolve():
+        return
+    tmp = own.with_name(f".tokenizer.json.tmp{os.getpid()}")
+    tmp.write_bytes(source.read_bytes())
+    os.replace(tmp, own)

@@ -57,15 +57,15 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
 def run_tokenizer(run_dir: Path, spec: str) -> str:
     """The tokenizer a run's config names, found as the user would expect after a move: as
     written (relative to the current folder), else relative to the run directory, else the
-    run's own copy (`wanka import` keeps one beside config.toml and records its absolute
-    path, which moving the run breaks). Unfound: as written, for the loader's own error."""
+    run's own copy (`wanka import` and `wanka train` keep one beside config.toml; import
+    records its absolute path, which moving the run breaks). Unfound: as written, for the loader's own error."""
     given = Path(spec)
     if spec == "byte" or given.exists():
         return spec
     if not given.is_absolute() and (run_dir / given).exists():
         return str(run_dir / given)
     own = run_dir / "tokenizer.json"
-    if given.name == "tokenizer.json" and own.is_file():
+    if own.is_file():  # `wanka train` keeps one too (keep_run_tokenizer), whatever its name was
         return str(own)
     return spec
 

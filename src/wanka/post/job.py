@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from wanka.config.loader import save_run_config
 from wanka.config.schema import JobConfig
-from wanka.data.tokenizer import load_tokenizer
+from wanka.data.tokenizer import keep_run_tokenizer, load_tokenizer
 from wanka.device import (
     autocast_dtype,
     dist_backend,
@@ -199,6 +199,7 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
         job.drawn_in_order = False  # a run begun before the order changed keeps its shuffle
     if rank == 0:  # only now, as `wanka train` does: a refused resume leaves it as it was
         save_run_config(run_dir, cfg)
+        keep_run_tokenizer(cfg.data.tokenizer, run_dir)
     # Rows logged after the checkpoint were lost work; from scratch, every row (step 0 too).
     metrics.truncate_after(job.start_step if job.start_step else -1)
     _note_schedule_change(job, saved.get("lr_schedule"))

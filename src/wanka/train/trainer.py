@@ -23,6 +23,7 @@ from wanka.config import ConfigError, JobConfig
 from wanka.config.loader import save_run_config
 from wanka.data.loader import Batch, PackedLoader, validation_batches
 from wanka.data.prepare import NO_TARGETS, TokenDataset, ensure_builtin_dataset
+from wanka.data.tokenizer import keep_run_tokenizer
 from wanka.device import (
     autocast_dtype,
     dist_backend,
@@ -473,6 +474,7 @@ def _run(cfg: JobConfig) -> dict:
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
         adopt_dataset_tokenizer(cfg, warn=True)
         save_run_config(job.run_dir, cfg)
+        keep_run_tokenizer(cfg.data.tokenizer, job.run_dir)
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
     for _, var in LAUNCH_MARKS:  # this launch's: not for a process a rank may start
