@@ -173,3 +173,12 @@ def test_inputs_that_are_all_empty_say_so(tmp_path, capsys):
     inputs = [str(tmp_path / n) for n in ("a.txt", "b.txt", "c.jsonl")]
     assert main_prepare(inputs, str(tmp_path / "ds"), None, 0.1, 0) == 2
     assert "all 3 input documents are empty" in _err(capsys)
+
+
+@pytest.mark.parametrize("fraction", [1.0, -0.1, float("nan")])
+def test_a_bad_val_fraction_is_named_as_the_flag(tmp_path, capsys, fraction):
+    (tmp_path / "a.txt").write_text("some text")
+    assert main_prepare([str(tmp_path / "a.txt")], str(tmp_path / "o"), None, fraction, 0) == 2
+    err = _err(capsys)
+    assert "--val-fraction" in err and "out of range" in err
+    assert not (tmp_path / "o").exists()
