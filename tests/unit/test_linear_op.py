@@ -37,6 +37,16 @@ def test_cpu_linear_equals_f_linear(threads, n_threads, lead, bias):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cpu_linear_takes_a_1d_weight_as_f_linear_does(threads, rows):
+    """F.linear takes a weight [in] (a dot product per row, output [...]): so must the few-row
+    path, which reshaped the result to [rows, weight.shape[0]] and raised."""
+    threads(2)
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 6, generator=g), torch.randn(6, generator=g)
+    torch.testing.assert_close(linear_cpu.linear(x, w), F.linear(x, w))
+
+
 def test_cpu_linear_gradients_equal_f_linears(threads):
     threads(2)
     x = torch.randn(2, 2, 32, requires_grad=True)  # 4 rows: the reoriented path

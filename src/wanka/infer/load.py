@@ -35,7 +35,8 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
         if not path.exists() and (run_dir / "checkpoints" / checkpoint).is_dir():
             path = run_dir / "checkpoints" / checkpoint  # a name as `ls RUN/checkpoints` shows it
         if not path.is_dir():
-            raise ValueError(f"checkpoint {path} is not usable (no such directory): pass one of "
+            why = "a file, not a checkpoint folder" if path.exists() else "no such directory"
+            raise ValueError(f"checkpoint {path} is not usable ({why}): pass one of "
                              f"{run_dir / 'checkpoints'}'s step-N folders, or 'latest'")  # fmt: skip
         if (problem := verify(path)) is not None:
             raise ValueError(f"checkpoint {path} is not usable ({problem or 'no such directory'})"

@@ -94,15 +94,21 @@ def register(
     return deco
 
 
+def _parse(item: str, field: str) -> tuple[str, str]:
+    """One op=backend item -> (op, backend). An empty side is refused: `sparse_attention=`
+    used to force nothing, so the run silently took the default backend."""
+    op, sep, backend = (x.strip() for x in item.partition("="))
+    if not (sep and op and backend):
+        raise ValueError(f"{field}: {item!r} must look like op=backend "
+                         "(e.g. sparse_attention=reference, or *=reference for every op)")  # fmt: skip
+    return op, backend
+
+
 def _forced() -> dict[str, str]:
     spec = os.environ.get(ENV_OVERRIDE, "").strip()
-    out = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        if "=" not in item:
-            raise ValueError(f"{ENV_OVERRIDE}: {item!r} must look like op=backend")
-        op, backend = item.split("=", 1)
-        out[op.strip()] = backend.strip()
-    return out
+    return dict(
+        _parse(item, ENV_OVERRIDE) for item in filter(None, (s.strip() for s in spec.split(",")))
+    )
 
 
 def check_forced(spec: str, field: str = "run.ops_backend") -> None:
@@ -114,7 +120,7 @@ def check_forced(spec: str, field: str = "run.ops_backend") -> None:
     import wanka.ops  # noqa: F401  (registers every backend, exported lab kernels included)
 
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        op, _, backend = (x.strip() for x in item.partition("="))
+        op, backend = _parse(item, field)
         if op != "*" and op not in _REGISTRY:
             near = difflib.get_close_matches(op, list(_REGISTRY), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
@@ -159,25 +165,43 @@ def _candidates(op: str, device_type: str) -> tuple[list[Backend], bool]:
     hit = _CHOICE.get(key)
     if hit is not None and all(n in table for n in hit[0]):
         return [table[n] for n in hit[0]], hit[1]
+    if key[2].strip():
+        # The environment is checked as run.ops_backend is: set directly (not from a config),
+        # a misspelt op (`sparse_atention=reference`) was never forced, and the run silently
+        # took the default backend. Once per choice, as the choice is cached.
+        check_forced(key[2], field=ENV_OVERRIDE)
     cands, forced = _choose(op, device_type, table)
     _CHOICE[key] = (tuple(b.name for b in cands), forced)
     return cands, forced
 
 
 def _choose(op: str, device_type: str, table: dict[str, Backend]) -> tuple[list[Backend], bool]:
-    forced = _forced().get(op) or _forced().get("*")
+    spec = _forced()
+    name = op if op in spec else "*"  # the item of WANKA_OPS_BACKEND that forces this op
+    forced = spec.get(name)
+
+    def usable() -> list[Backend]:
+        return [b for b in table.values() if _supports(b, device_type) and b.available()]
+
     if forced is not None and forced in table:
         b = table[forced]
         if not _supports(b, device_type) or not b.available():
-            raise ValueError(f"backend {forced!r} of op {op!r} cannot run on {device_type}")
+            where = (
+                f"it runs on {', '.join(b.device_types)}"
+                if not _supports(b, device_type)
+                else "it is not available here: its library is missing"
+            )
+            raise ValueError(f"{ENV_OVERRIDE}: backend {forced!r} of op {op!r} cannot run on "
+                             f"{device_type} ({where}); drop {name}={forced} or force one of "
+                             f"{', '.join(sorted(u.name for u in usable()))}")  # fmt: skip
         return [b], True
-    if forced is not None and _forced().get(op):
+    if forced is not None and name == op:
         raise ValueError(f"op {op!r} has no backend {forced!r}; have {', '.join(table)}")
-    usable = [b for b in table.values() if _supports(b, device_type) and b.available()]
-    if not usable:
+    cands = usable()
+    if not cands:
         raise ValueError(f"op {op!r} has no usable backend on {device_type}")
     # stable: among equal priorities the first registered wins, as max() picks
-    return sorted(usable, key=lambda b: -b.priority), False
+    return sorted(cands, key=lambda b: -b.priority), False
 
 
 def select(op: str, device_type: str) -> Backend:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from wanka.ops.common import upcast
 from wanka.ops.registry import register
 
 
@@ -37,7 +38,7 @@ def dense_attention(
     [B, Lk] -> [B, Lq, H, D]. Lq <= Lk: the queries are the last Lq key positions."""
     scores = torch.einsum("blhd,bsd->bhls", q, k) * scale
     scores = scores.masked_fill(~allowed_mask(doc_ids, q.shape[1])[:, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(upcast(scores), dim=-1).to(v.dtype)
     return torch.einsum("bhls,bsd->blhd", probs, v)
 
 

@@ -15,7 +15,7 @@ Sequence tiles are BLOCK_M = BLOCK_N = 16..64 and the head dim is padded to a po
 >= 16 (masked) so every product is a `tl.dot`. float32 inputs use IEEE-precision dots; 16-bit
 inputs are upcast to float32 and use TF32.
 
-doc_ids rows must be non-decreasing (packed documents are contiguous runs).
+doc_ids rows must be non-decreasing (packed documents are contiguous runs); this is checked.
 
 Queries may be a suffix of the keys (q [B, Lq, ...], k / v / doc_ids [B, Lk], query i at key
 position OFF + i with OFF = Lk - Lq; `wanka.ops.registry` docstring): the kernels take the
@@ -32,6 +32,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from wanka.ops.common import new_output
+from wanka.ops.dense_attention.cpu import check_doc_ids
 from wanka.ops.dense_attention.reference import query_offset
 from wanka.ops.registry import register
 from wanka.ops.triton_common import HAVE_TRITON, dot_precision, pow2, tl, triton
@@ -365,4 +366,8 @@ def dense_attention(
     """
     if not HAVE_TRITON:
         raise RuntimeError("the triton dense_attention backend needs the triton package")
+    # The kernels find each document from its first token (contiguous runs): other rows gave
+    # wrong results silently where the reference masks by id. Refused, as the CPU and Triton
+    # indexer backends do (the indexer ops in the same step read doc_ids on the host anyway).
+    check_doc_ids(doc_ids)
     return _DenseAttention.apply(q, k, v, doc_ids, float(scale), block)

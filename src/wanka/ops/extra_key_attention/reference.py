@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from wanka.ops.common import upcast
 from wanka.ops.dense_attention.reference import allowed_mask
 from wanka.ops.registry import register
 from wanka.ops.sparse_attention.reference import gather_selected
@@ -48,7 +49,7 @@ def extra_key_attention(
         values = gather_selected(v, indices)
     extra = torch.einsum("blhd,bled->blhe", q, extra_k) * scale
     n = scores.shape[-1]
-    probs = torch.softmax(torch.cat([scores, extra], dim=-1).float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(upcast(torch.cat([scores, extra], dim=-1)), dim=-1).to(v.dtype)
     p_keys, p_extra = probs[..., :n], probs[..., n:]
     if values is None:
         out = torch.einsum("blhs,bsd->blhd", p_keys, v)

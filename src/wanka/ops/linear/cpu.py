@@ -27,6 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.compiler.is_compiling()  # one traced graph: let the compiler pick the GEMM
         or not FEW_ROWS[0] <= rows <= FEW_ROWS[1]
         or torch.get_num_threads() < 2
+        or weight.dim() != 2  # F.linear also takes a weight [in]; the reorientation does not
     ):
         return F.linear(x, weight, bias)
     # contiguous: callers may view the output as F.linear's (a copy of 2-5 rows, ~free)

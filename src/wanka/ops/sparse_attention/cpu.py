@@ -254,7 +254,8 @@ def _forward(q, k, v, indices, scale, strategy, chunk, threads):
     K = indices.shape[-1]
     cdt = _compute_dtype(q.dtype)
     out = new_output((B, L, H, D), q.dtype, q.device)
-    lse = new_output((B, L, H), torch.float32, q.device)
+    # in the compute dtype: a float32 lse would cost float64 gradients their precision
+    lse = new_output((B, L, H), cdt, q.device)
     C = _chunk_size(K, D, chunk)
     kp, vp, bad_key = _padded(k, v, cdt)
     tasks = [(b, t0) for b in range(B) for t0 in range(0, L, C)]
@@ -279,7 +280,7 @@ def _forward(q, k, v, indices, scale, strategy, chunk, threads):
             total += pr.sum(-1)
             o += torch.bmm(pr, _rows(vb, plan.ridx))
         out[b, t0:t1] = (o / total[..., None]).to(q.dtype)
-        lse[b, t0:t1] = (m + total.log()).float()
+        lse[b, t0:t1] = m + total.log()
 
     _run(len(tasks), one, threads)
     return out, lse
@@ -443,5 +444,5 @@ def _few_queries(q, k, v, indices, scale: float) -> torch.Tensor:
     vs = torch.where(valid, torch.gather(v, 1, flat).view(B, Lq, K, D), 0).to(cdt)
     scores = torch.einsum("blhd,blkd->blhk", q.to(cdt), ks) * scale
     scores = scores.masked_fill(~valid[..., 0][:, :, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(cdt)
+    probs = torch.softmax(scores, dim=-1)  # already in the compute dtype
     return torch.einsum("blhk,blkd->blhd", probs, vs).to(q.dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from wanka.ops.common import upcast
 from wanka.ops.registry import register
 
 
@@ -49,5 +50,5 @@ def sparse_attention(
     k_sel, v_sel = gather_selected(k, indices), gather_selected(v, indices)
     scores = torch.einsum("blhd,blkd->blhk", q, k_sel) * scale
     scores = scores.masked_fill((indices < 0)[:, :, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(upcast(scores), dim=-1).to(v.dtype)
     return torch.einsum("blhk,blkd->blhd", probs, v_sel)
