@@ -62,9 +62,17 @@ class CostModel:
     gather: float = 2.33e-6  # 2 * 48 * (576 + 128 / 4) * 2 bytes / 50e9 bytes/s
 
     def __post_init__(self) -> None:
+        # topk counts keys: a whole number (NaN passed `topk < 1` and made every cost NaN; a
+        # float or a 1e30 gave nonsense pair counts or an int64 overflow in a traceback).
+        if (
+            isinstance(self.topk, bool)
+            or not isinstance(self.topk, (int, np.integer))
+            or not (1 <= self.topk <= 1 << 40)
+        ):
+            raise ValueError(f"cost model topk must be a whole number in 1..2^40: {self}")
         coefs = (self.linear, self.sparse, self.dense)
         finite = all(math.isfinite(c) for c in (*coefs, self.gather))  # NaN compares false
-        if not finite or min(coefs) < 0 or max(coefs) <= 0 or self.topk < 1 or self.gather < 0:
+        if not finite or min(coefs) < 0 or max(coefs) <= 0 or self.gather < 0:
             raise ValueError(
                 f"cost model needs finite, non-negative, not all zero coefficients: {self}"
             )

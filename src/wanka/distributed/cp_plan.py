@@ -210,6 +210,24 @@ def _head_tail(docs: _Docs, cp: int) -> np.ndarray:
     return out[out[:, 3] > out[:, 2]]
 
 
+def _fill(docs: _Docs, cp: int) -> np.ndarray:
+    """Each dp group's documents end to end, cut into cp runs of equal tokens (+-1): no rank
+    above ceil(group tokens / cp), whatever the lengths. The last resort of a tight budget."""
+    group = docs.row_dp[docs.row]
+    out = []
+    for g in range(docs.dp):
+        mine = np.flatnonzero(group == g)
+        n = docs.lengths[mine]
+        start = np.cumsum(n) - n  # in the group's stream of documents
+        bounds = np.arange(cp + 1) * int(n.sum()) // cp
+        for r in range(cp):
+            lo, hi = bounds[r], bounds[r + 1]
+            for d in np.flatnonzero((start < hi) & (start + n > lo)).tolist():
+                s = int(start[d])
+                out.append((g * cp + r, mine[d], max(lo, s) - s, min(hi, s + n[d]) - s))
+    return np.array(out, dtype=np.int64).reshape(-1, 4)
+
+
 def _finalize(
     layout: str, docs: _Docs, cp: int, pieces: np.ndarray, run_cap: int, span: int
 ) -> CPPlan:
@@ -335,10 +353,14 @@ def plan_step(
             )
         except PlanError:
             # The greedy left no rank with room for a document (a tight budget). Head-tail over
-            # each group's own rows keeps every rank near the mean: use it if it fits.
-            pieces = _head_tail(docs, cp)
-            held = np.bincount(pieces[:, 0], weights=pieces[:, 3] - pieces[:, 2], minlength=ranks)
-            if held.max() > budget:
+            # each group's own rows keeps every rank near the mean: use it if it fits; its
+            # chunks round per document, so a budget of exactly the mean needs the even fill.
+            for pieces in (_head_tail(docs, cp), _fill(docs, cp)):
+                held = np.bincount(pieces[:, 0], weights=pieces[:, 3] - pieces[:, 2],
+                                   minlength=ranks)  # fmt: skip
+                if held.max() <= budget:
+                    break
+            else:
                 raise
 
     else:

@@ -184,6 +184,13 @@ class Attention(nn.Module):
         # One collective for K, V and the indexer keys: its backward (a reduce-scatter) then has
         # one place in every rank's autograd graph, whatever each rank's segments look like.
         # MLA passes one tensor as key and value (K = V): gathered once.
+        if phase != "sparse":
+            # Dense warm-up trains the indexers only (its loss reads q and k detached): K and V
+            # gathered with grad would send the tie's zeros below into every parameter on the
+            # ranks that gather only, and FSDP's reduce-scatter of those grads would then
+            # differ in size between CP groups that gather and groups that do not.
+            k, v = (k.detach(), None) if v is k else (k.detach(), v.detach())
+            v = k if v is None else v
         parts = [k] + ([] if v is k else [v]) + ([ki] if ki is not None else [])
         gathered = layout.gather(torch.cat(parts, dim=-1)).split([t.shape[-1] for t in parts], -1)
         kg = gathered[0]
