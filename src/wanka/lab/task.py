@@ -105,7 +105,10 @@ class Task:
     tolerance: Tolerance
     flops: CostFn  # minimal FLOPs of the timed mode: the roofline's compute bound
     bytes: CostFn  # minimal bytes moved: the roofline's memory bound
-    structural: tuple[str, ...] = ()  # inputs never refreshed in place (indices, ids, tables)
+    # Inputs that are not random floats (indices, ids, tables). Timed calls still get new
+    # ones every round (evaluator.py): make_inputs must give a shape's inputs the same
+    # shapes whatever the generator.
+    structural: tuple[str, ...] = ()
     space: VariantSpace | None = None
     compare: Callable | None = None  # custom (ref_outs, cand_outs, inputs) -> (ok, msg, err)
     needs: str = ""  # requirement ("triton") reported when missing

@@ -83,18 +83,6 @@ def grad_rule(outs: tuple, seed: int, pool=None) -> list:
     return res
 
 
-def refresh(inputs: dict, structural: list[str], seed: int) -> None:
-    """Redraw every non-structural float input in place from `seed` (same pointers, new
-    values). The parent replays it to rebuild the inputs of a sampled call."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    for name, t in inputs.items():
-        if name in structural or not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            continue
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-
 def _as_tuple(out):
     return tuple(out) if isinstance(out, tuple | list) else (out,)
 
