@@ -38,17 +38,21 @@ def exit_now(code: int | None) -> NoReturn:
 def end_with_parent(sig: int = 15) -> Callable[[], None]:
     """A `preexec_fn` for subprocess.Popen: the child gets `sig` (SIGTERM by default) when the
     process that started it dies, SIGKILL included, so a benchmark killed outright does not
-    leave its job running in its own session. Linux only (prctl); elsewhere it does nothing."""
+    leave its job running in its own session. Linux only (prctl); elsewhere it does nothing.
+    libc is loaded here, in the parent: between fork and exec the child only calls into it
+    (the parent may have threads, so nothing there may import or take a lock)."""
     parent = os.getpid()
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        prctl = None
 
     def arm() -> None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
+        if prctl is None:
             return
+        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent died before the signal was armed
             os.kill(os.getpid(), sig)
 

@@ -245,9 +245,15 @@ def run_case(case: dict, repeats: int) -> dict:
         out = torch.where(torch.isfinite(out), out, torch.zeros_like(out))
         out.sum().backward()
 
-    peak_mb = peak_rss_window()
     result = {"fwd_s": median_time(fwd, repeats), "fwd_bwd_s": median_time(fwd_bwd, repeats)}
+    # The peak of one more forward + backward, after the timings: the window may sample the
+    # RSS from a thread (peak_rss_window), which must not run beside the timed calls.
+    for t in leaves:
+        t.grad = None  # the gradients' own memory counts, as on a first call
+    peak_mb = peak_rss_window()
+    fwd_bwd()
     result["peak_mb"] = peak_mb()
+    del peak_mb  # ends a sampling thread
     # Error vs the reference on the same inputs (forward), in this process.
     with torch.no_grad():
         mine = fn(*inputs)

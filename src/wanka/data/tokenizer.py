@@ -60,7 +60,7 @@ class HFTokenizer:
             self._tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1
         )
         # Content hash, so a changed file never reuses a stale prepared dataset.
-        self.name = "hf-" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]
+        self.name = _content_name(self.path.read_bytes())
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -89,17 +89,31 @@ def load_tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(path)
 
 
-def keep_run_tokenizer(spec: str, run_dir: Path) -> None:
-    """RUN_DIR/tokenizer.json := the tokenizer file the run trains with, once: generate, export
-    and post-training read the run's copy where the original was moved or deleted. Kept, not
-    refreshed: the first copy is the tokenizer the weights learned (a file edited later is not).
+def keep_run_tokenizer(spec: str, run_dir: Path, expected: str | None = None) -> None:
+    """RUN_DIR/tokenizer.json := the tokenizer file the run trains with: generate, export and
+    post-training read the run's copy first (infer.load.run_tokenizer), so a moved, deleted or
+    later edited original changes nothing. `expected`: the name (content hash) of the
+    tokenizer the data was prepared with; a file that is not it (edited since) is never
+    copied, and a copy that is not it (a run dir reused for a run on other data) is removed.
     Written whole (a reader never sees half of it)."""
-    if spec == "byte":
-        return
-    source = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
     own = Path(run_dir) / "tokenizer.json"
-    if own.exists() or not source.is_file() or source.resolve() == own.resolve():
+    source = Path(spec) / "tokenizer.json" if Path(spec).is_dir() else Path(spec)
+    if spec == "byte":
+        own.unlink(missing_ok=True)  # a byte-level run: a copy left by an earlier run is not its
+        return
+    data = source.read_bytes() if source.is_file() else None
+    if data is not None and expected is not None and _content_name(data) != expected:
+        data = None  # edited since the data was prepared: not what the ids mean
+    if data is None:
+        if own.is_file() and expected is not None and _content_name(own.read_bytes()) != expected:
+            own.unlink()
+        return
+    if own.is_file() and own.read_bytes() == data:
         return
     tmp = own.with_name(f".tokenizer.json.tmp{os.getpid()}")
-    tmp.write_bytes(source.read_bytes())
+    tmp.write_bytes(data)
     os.replace(tmp, own)
+
+
+def _content_name(data: bytes) -> str:
+    return "hf-" + hashlib.sha256(data).hexdigest()[:12]  # as HFTokenizer.name

@@ -56,18 +56,19 @@ def find_checkpoint(run_dir: Path, checkpoint: str = "latest") -> Path:
 
 
 def run_tokenizer(run_dir: Path, spec: str) -> str:
-    """The tokenizer a run's config names, found as the user would expect after a move: as
-    written (relative to the current folder), else relative to the run directory, else the
-    run's own copy (`wanka import` and `wanka train` keep one beside config.toml; import
-    records its absolute path, which moving the run breaks). Unfound: as written, for the loader's own error."""
-    given = Path(spec)
-    if spec == "byte" or given.exists():
+    """The tokenizer a run trained with: its own copy where it has one (`wanka train` and
+    `wanka import` keep RUN_DIR/tokenizer.json, checked against the data's tokenizer), so an
+    original moved, deleted or edited since changes nothing; else the file its config names,
+    as written (relative to the current folder) or relative to the run directory. Unfound: as
+    written, for the loader's own error."""
+    if spec == "byte":
         return spec
-    if not given.is_absolute() and (run_dir / given).exists():
-        return str(run_dir / given)
     own = run_dir / "tokenizer.json"
-    if own.is_file():  # `wanka train` keeps one too (keep_run_tokenizer), whatever its name was
+    if own.is_file():
         return str(own)
+    given = Path(spec)
+    if not given.exists() and not given.is_absolute() and (run_dir / given).exists():
+        return str(run_dir / given)
     return spec
 
 

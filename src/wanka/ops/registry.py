@@ -191,9 +191,11 @@ def _choose(op: str, device_type: str, table: dict[str, Backend]) -> tuple[list[
                 if not _supports(b, device_type)
                 else "it is not available here: its library is missing"
             )
-            raise ValueError(f"{ENV_OVERRIDE}: backend {forced!r} of op {op!r} cannot run on "
-                             f"{device_type} ({where}); drop {name}={forced} or force one of "
-                             f"{', '.join(sorted(u.name for u in usable()))}")  # fmt: skip
+            others = sorted(u.name for u in usable())
+            instead = f" or force one of {', '.join(others)}" if others else " (none runs here)"
+            raise ValueError(f"{ENV_OVERRIDE} (or run.ops_backend): backend {forced!r} of op "
+                             f"{op!r} cannot run on {device_type} ({where}); drop "
+                             f"{name}={forced}{instead}")  # fmt: skip
         return [b], True
     if forced is not None and name == op:
         raise ValueError(f"op {op!r} has no backend {forced!r}; have {', '.join(table)}")

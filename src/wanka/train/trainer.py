@@ -249,6 +249,16 @@ def adopt_dataset_tokenizer(cfg: JobConfig, warn: bool = False) -> None:
     cfg.data.tokenizer = spec
 
 
+def dataset_tokenizer_name(cfg: JobConfig) -> str | None:
+    """The name (content hash) of the tokenizer a prepared data.path was made with."""
+    if cfg.data.path == "builtin":
+        return None
+    from wanka.data.prepare import read_meta
+
+    name = (read_meta(cfg.data.path).get("tokenizer") or {}).get("name")
+    return name if isinstance(name, str) and name.startswith("hf-") else None
+
+
 def check_vocab(data_vocab: int, model_vocab: int) -> None:
     if data_vocab > model_vocab:
         fit = -(-data_vocab // 64) * 64  # a multiple of 64 keeps the embedding GEMMs aligned
@@ -474,7 +484,7 @@ def _run(cfg: JobConfig) -> dict:
     if job.is_main:  # only now: a refused resume must leave the run's config as it was
         adopt_dataset_tokenizer(cfg, warn=True)
         save_run_config(job.run_dir, cfg)
-        keep_run_tokenizer(cfg.data.tokenizer, job.run_dir)
+        keep_run_tokenizer(cfg.data.tokenizer, job.run_dir, dataset_tokenizer_name(cfg))
     t_launch = rt.launch_time or t_entry
     parts = _startup_parts(t_launch, t_entry, marks)
     for _, var in LAUNCH_MARKS:  # this launch's: not for a process a rank may start
