@@ -175,6 +175,15 @@ def parse_schedule(text: str, world: int | None = None, nodes: int | None = None
             has = f"{nodes} node(s): 0..{nodes - 1}" if nodes is not None else (
                 f"at most {world} node(s), as it has {world} rank(s)")  # fmt: skip
             raise ValueError(f"chaos fault {item!r}: node={int(node)}, but the job has {has}")
+        # The same fault twice is not two faults: both are due at the same poll (or the same
+        # start) and strike together, once (a second SIGKILL of one pid; corrupt_ckpt twice
+        # flips the same bytes back, leaving the checkpoint intact), yet the timeline and the
+        # drill counted it as two injected faults, both "detected". nan is the exception: its
+        # repeat fires on the loss guard's retry of that step (bad twice: the batch is skipped).
+        if f.kind != "nan" and any(f.spec() == g.spec() for g in faults):
+            raise ValueError(f"chaos fault {item!r} is given twice: the same fault at the same "
+                             "time strikes once; give it once, or a later step= for a second "
+                             "fault")  # fmt: skip
         faults.append(f)
     return faults
 
@@ -392,7 +401,14 @@ class ChaosDriver:
             b = beats.get(f.rank)
             if b is None:
                 return False
-            os.kill(b.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            try:
+                os.kill(b.pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+            except ProcessLookupError:
+                # The rank is gone already (it died on its own and was reaped). Raised, this
+                # aborted the supervisor's whole poll, before its dead/hang check, on every
+                # poll until the attempt ended: the death was never named. Not fired: it
+                # strikes the next attempt's rank when that reaches the step.
+                return False
             self.fired_rank[f.rank] = time.time()
         elif f.kind == "node_kill":
             from wanka.resilience.snapshot import drop_node

@@ -384,6 +384,14 @@ class SnapshotStore:
             return None
         step = max(common)
         fetched = self._fetch(step, holders, where)
+        if fetched is None and where[self.rank, step] == self.dir:
+            # The next save must go to the slot that does NOT hold the step we resume from.
+            # Left to _next_slot (the slot the newest snapshot is not in), a rank that had
+            # committed a newer step than the others (killed peer: it got one step further)
+            # would overwrite exactly this snapshot with the first save after the restore, and
+            # a second fault before that save commits would find no common step: the job fell
+            # back to the newest checkpoint (or step 0) instead of memory.
+            self._newest_slot = dict(_committed(self.dir, self.signature))[step]
         return step, self._load(fetched or where[self.rank, step], step)
 
     def _copies_here(self) -> dict[tuple[int, int], Path]:

@@ -16,6 +16,7 @@ this loop decides, because it knows more than "a worker exited":
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -149,6 +150,29 @@ def _worker_entry(argv: list[str], env: dict[str, str]) -> None:
     sys.stdout.flush()
     if rc:
         sys.exit(rc)
+    # Done. A SIGTERM (the agent's death signal on a stop request) that came after the last
+    # step boundary was only noted: no stop agreement follows. The rank then waited in torch's
+    # worker wrapper for the agent to read its result, which a shutting-down agent never does:
+    # it waited 30 s twice for the rank to end, then SIGKILLed it (a stop request in the job's
+    # last seconds cost 60 s). From here a SIGTERM ends the rank, and one already noted does.
+    from wanka.resilience import worker
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.SIGTERM in worker.STOP_SIGNALS:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _finished(run_dir: Path, summary_before: tuple | None, steps: int) -> bool:
+    """Whether rank 0 wrote the job's summary of all `steps` since the supervisor started
+    (summary_before: the file's identity then): the job has ended, whatever stopped it after."""
+    path = run_dir / "summary.json"
+    if _file_id(path) in (None, summary_before):
+        return False
+    try:
+        return json.loads(path.read_text())["steps"] == steps
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _file_id(path: Path) -> tuple | None:
@@ -729,6 +753,14 @@ class Supervisor:
                 break
             self.attempt = self.timeline.attempt = attempt
             out = self._attempt(attempt)
+            if out.cause == "preempted" and _finished(self.run_dir, summary_before,
+                                                      self.cfg.train.steps):  # fmt: skip
+                # The stop request came after the last step boundary (final save, eval,
+                # summary): the ranks ended the job, and nothing is left to resume. Said as a
+                # stop before, exit 75 and "run the same command again to resume".
+                print(f"{self.says} a stop request came after the job had finished its "
+                      f"{self.cfg.train.steps} steps: nothing to resume", file=sys.stderr)  # fmt: skip
+                out.cause = "success"
             self.outcomes.append(out)
             if self.follows and out.cause != "preempted" and not self._preempt.is_set():
                 nxt = self.control.wait_next(attempt, self._preempt)

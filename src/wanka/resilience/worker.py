@@ -64,6 +64,11 @@ class LossGuard:
         self.mean, self.seen = s["mean"], s["seen"]
 
 
+# Stop signals this rank received (supervisor._worker_entry reads it): one that came after the
+# rank's last step boundary was never acted on, and the rank ends with it once its job is done.
+STOP_SIGNALS: list[int] = []
+
+
 class Runtime:
     def __init__(self, cfg: JobConfig, rank: int) -> None:
         env = os.environ
@@ -97,6 +102,7 @@ class Runtime:
 
     def _on_stop_signal(self, signum, frame) -> None:
         self._stop = True  # acted on at the next step boundary, by every rank together
+        STOP_SIGNALS.append(signum)
 
     def enable_stack_dumps(self, log_path: Path) -> None:
         self._stack_file = open(log_path, "a")  # noqa: SIM115 - lives as long as the process
