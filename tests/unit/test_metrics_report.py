@@ -262,6 +262,31 @@ def test_truncate_drops_markers_past_the_resume_step(tmp_path):
     assert markers == []
 
 
+def test_a_final_eval_to_be_done_again_is_dropped(tmp_path):
+    """Killed between the final eval and the summary: the rerun resumes at the last step and
+    evaluates again; the dead attempt's eval row there must not stay beside the new one
+    (mid-run eval rows at the resume step are the run's, kept)."""
+    import json
+
+    from wanka.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, True, 12, tensorboard=False)
+    w.log_train(8, {"loss": 1.0})
+    w.log_eval(8, {"val_loss": 2.0})
+    w.log_train(12, {"loss": 0.5})
+    w.log_eval(12, {"val_loss": 1.5})
+    w.truncate_after(12, drop_evals_at=12)
+    w.log_eval(12, {"val_loss": 1.5})
+    w.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows if r["kind"] in ("train", "eval")] == [
+        ("train", 8),
+        ("eval", 8),
+        ("train", 12),
+        ("eval", 12),
+    ]
+
+
 def test_eta_includes_time_spent_between_steps():
     """Steps of 1 s with a 10 s evaluation every 5 steps: the ETA follows the wall clock."""
     import io

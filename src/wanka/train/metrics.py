@@ -240,8 +240,9 @@ class MetricsWriter:
             self._file = None
         return self._file is not None
 
-    def truncate_after(self, step: int) -> None:
-        """Drop rows logged after `step` (lost work from before a resume), atomically."""
+    def truncate_after(self, step: int, drop_evals_at: int | None = None) -> None:
+        """Drop rows logged after `step` (lost work from before a resume), and the eval rows
+        at `drop_evals_at` (evaluations to be done again), atomically."""
         if not self.is_main or not self.path.exists():
             return
         if self._file is not None:
@@ -255,6 +256,12 @@ class MetricsWriter:
             if not isinstance(row, dict):
                 continue
             if int(row.get("step", 0)) > step:  # metrics and markers alike
+                continue
+            if (
+                row.get("kind") == "eval"
+                and drop_evals_at is not None
+                and row.get("step") == drop_evals_at
+            ):
                 continue
             kept.append(line + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")

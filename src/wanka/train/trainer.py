@@ -493,7 +493,9 @@ def _run(cfg: JobConfig) -> dict:
     log.info("start-up %.2f s: %s", sum(parts.values()),
              ", ".join(f"{k} {v:.2f}" for k, v in parts.items()), extra={"console": False})  # fmt: skip
     metrics = MetricsWriter(job.run_dir, job.is_main, cfg.train.steps, cfg.run.tensorboard)
-    metrics.truncate_after(start)
+    # Resumed at the last step, unfinished: its final eval (written after the last checkpoint)
+    # is done again, so a row of it from the attempt that died is dropped.
+    metrics.truncate_after(start, drop_evals_at=start if start == cfg.train.steps else None)
     if start > 0:
         metrics.log_event("resume", start, source=info.get("source"))
     if change := info.get("lr_schedule_change"):  # one line, once, plus a marker row
@@ -507,6 +509,13 @@ def _run(cfg: JobConfig) -> dict:
     tokens_per_s, step_times, val_loss, train_loss = [], [], None, None
     mtbf = float(os.environ.get("WANKA_MTBF_S") or cfg.checkpoint.mtbf_s)
     schedule = SaveSchedule(cfg.checkpoint.every, mtbf, start)
+    every = cfg.checkpoint.every
+    if (cfg.checkpoint.enable and every and 0 < start < cfg.train.steps and start % every == 0
+            and not ckpt.holds(start)):  # fmt: skip
+        # Resumed from memory at a step whose checkpoint a fault cut short: no later pass of
+        # the loop writes it, and a job that lost its memory too would fall back further.
+        with rt.span("checkpoint", step=start - 1), ckpt.report(rt.event, rt.node):
+            ckpt.save(start, _train_state(job))
     for step in range(start, cfg.train.steps):
         # The step span is the whole iteration: the stop agreement (which also absorbs the
         # ranks' skew), the step, its metrics and its snapshot stall, so time between spans is
