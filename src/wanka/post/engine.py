@@ -72,12 +72,47 @@ def build_sharded(model_cfg: ModelConfig, dims: ParallelDims, device: torch.devi
     return model
 
 
+# The checkpoint each run directory (post.init, a teacher) was read from in this job. A job
+# reads post.init more than once (rl: the policy, then the KL reference) and every rank reads
+# it: each read used to pick the newest checkpoint *then*, so a post.init still training (or
+# pruning old checkpoints) in between gave a policy and a reference of different steps, or
+# ranks holding shards of different checkpoints, silently. Rank 0 now picks once per job (as
+# Checkpointer.newest_sound does for pre-training's init) and every rank and read keeps it.
+_chosen: dict[str, Path] = {}
+
+
+def forget_checkpoints() -> None:
+    """A new job (setup()): run directories are looked at afresh."""
+    _chosen.clear()
+
+
+def _chosen_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest sound checkpoint of `run_dir` as rank 0 found it at the job's first read
+    (a collective: every rank calls it, in the same order, as for the DCP load after it);
+    None when there is none."""
+    key = str(Path(run_dir).resolve())
+    if key in _chosen:
+        return _chosen[key]
+    box: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box = [str(find_checkpoint(Path(run_dir)))]
+        except ValueError:  # said by load_weights, on every rank
+            box = [None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None
+    _chosen[key] = Path(box[0])
+    return _chosen[key]
+
+
 def load_weights(model: Transformer, run_dir: str | Path, role: str) -> Path:
     """Load the newest sound checkpoint of `run_dir` into a sharded model (DCP reshards from
-    whatever layout saved it; optimizer state is not read). Returns the checkpoint's path."""
-    try:
-        path = find_checkpoint(Path(run_dir))
-    except ValueError:  # its hint (--checkpoint) is for `wanka generate`, not for here
+    whatever layout saved it; optimizer state is not read). Returns the checkpoint's path: the
+    same one for every read of `run_dir` in a job, on every rank (_chosen_checkpoint)."""
+    path = _chosen_checkpoint(run_dir)
+    if path is None:  # its hint (--checkpoint) is for `wanka generate`, not for here
         found = complete_checkpoints(Path(run_dir) / "checkpoints")
         what = (
             "only damaged checkpoints (checksums do not match)"

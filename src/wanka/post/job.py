@@ -34,7 +34,13 @@ from wanka.distributed.parallel_dims import ParallelDims
 from wanka.infer.generate import Generator
 from wanka.infer.sampling import Sampling
 from wanka.post.checks import COMMAND_FILE, check_length
-from wanka.post.engine import Rollout, build_sharded, load_weights, run_config
+from wanka.post.engine import (
+    Rollout,
+    build_sharded,
+    forget_checkpoints,
+    load_weights,
+    run_config,
+)
 from wanka.post.origin import origin, origin_change
 from wanka.post.prompts import (
     DOMAINS,
@@ -145,6 +151,7 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
     run.dir's newest checkpoint when there is one. `wanka draft` trains the MTP modules only;
     the other commands train everything else."""
     p = cfg.post
+    forget_checkpoints()  # which checkpoint post.init and teachers give: chosen afresh per job
     device_type = resolve_device_type(cfg.run.device)
     if device_type == "cpu":  # as `wanka train`: freed blocks stay in the heap
         keep_freed_host_memory()

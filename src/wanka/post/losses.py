@@ -157,12 +157,17 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
         raise ValueError(
             f"group_advantages: {rewards.numel()} rewards do not split into groups of {group_size}"
         )
-    r = rewards.float().view(-1, group_size)
+    # Normalised in float64 (rl.py's rewards are float64): in float32 a constant offset hid
+    # the spread (1e8 and 1e8 + 1 are one float32 number: zero advantage, nothing learned,
+    # nothing said), though GRPO is meant to be shift-invariant. The advantages (unit RMS)
+    # come back float32, or float64 for float64 rewards.
+    out_dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    r = rewards.double().view(-1, group_size)
     centred = r - r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, unbiased=False, keepdim=True)
     adv = centred / (std + eps)
     flat = (r == r[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(flat, torch.zeros_like(adv), adv).view(-1)
+    return torch.where(flat, torch.zeros_like(adv), adv).view(-1).to(out_dtype)
 
 
 def grpo_loss(

@@ -197,6 +197,10 @@ def read_prompts_jsonl(path: str | Path) -> list[TaggedPrompt]:
         except RecursionError:  # e.g. thousands of nested brackets
             raise ValueError(f"{where}: not valid JSON here (nested too deeply): expected one "
                              '{"prompt": ..., "domain": ...} object per line') from None  # fmt: skip
+        except ValueError as e:  # a number of over 4300 digits (int_max_str_digits), even
+            # in a key that is ignored: the one line must still name the file and line
+            first = (str(e).strip().splitlines() or [""])[0][:120]
+            raise ValueError(f"{where}: not readable JSON ({first})") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         for key in ("prompt", "domain"):

@@ -11,6 +11,7 @@ import builtins
 import functools
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import sys
@@ -351,6 +352,17 @@ def load_reward(spec: str) -> Reward:
         raise ValueError(
             f"reward {spec!r}: not a built-in ({builtin}) nor of the form package.module:function"
         )
+    # A scoring module may turn torch's grad mode off as it loads (torch.set_grad_enabled(False)
+    # at its top, as inference scripts do: the policy would train without a graph, a
+    # RuntimeError traceback at the first backward) or chdir (a relative run.dir's checkpoints
+    # would land elsewhere): both are put back. Torch is imported by then; it is not imported
+    # here for a built-in reward's sake.
+    torch = sys.modules.get("torch")
+    grad = torch.is_grad_enabled() if torch is not None else True
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the folder it runs in is gone: nothing to go back to
+        cwd = None
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -364,6 +376,14 @@ def load_reward(spec: str) -> Reward:
             f"reward {spec!r}: importing module {module_name!r} raised "
             f"{type(e).__name__}{': ' + first if first else ''}; fix the module"
         ) from None
+    finally:
+        if (torch := sys.modules.get("torch")) is not None:
+            torch.set_grad_enabled(grad)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+        except OSError:  # gone meanwhile: nothing to go back to
+            pass
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(
@@ -375,6 +395,22 @@ def load_reward(spec: str) -> Reward:
             f"reward {spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a function "
             "(prompt, completion, domain) -> float"
         )
+    # An async or generator function passes the signature check, then each call returns a
+    # coroutine or generator, not a number: the job stopped at its first step, not here.
+    # (an instance with an async __call__ too: its bound __call__ is what runs)
+    plain = inspect.isfunction(fn) or inspect.ismethod(fn) or isinstance(fn, type)
+    call = fn if plain else type(fn).__call__
+    wrap = "wrap it, e.g. def reward(p, c, d): return asyncio.run(my_reward(p, c, d))"
+    for test, kind, hint in (
+        (inspect.iscoroutinefunction, "an async function", wrap),
+        (inspect.isasyncgenfunction, "an async generator", "return the number, not yield it"),
+        (inspect.isgeneratorfunction, "a generator function", "return the number, not yield it"),
+    ):
+        if test(fn) or test(call):
+            raise ValueError(
+                f"reward {spec!r}: {module_name}.{attr} is {kind}: a reward is called as a plain "
+                f"function (prompt, completion, domain) -> float; {hint}"
+            )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none: they are called as they are

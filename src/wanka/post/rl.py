@@ -11,8 +11,11 @@ gradient plus the KL term.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import math
+import os
 
 import torch
 
@@ -87,10 +90,35 @@ def _rewards(reward: Reward, prompts, texts: list[str], spec: str,
     return torch.tensor(values, dtype=torch.float64)
 
 
+@contextlib.contextmanager
+def _kept_as_it_was():
+    """What a reward function (or its module, as it loads) may change and the job depends on,
+    put back: the working directory (a reward that runs completions in a sandbox folder, as
+    code rewards do, and chdirs there: the checkpoints of a relative run.dir were written
+    under the sandbox, and a rerun started over) and torch's grad mode (a scorer that calls
+    torch.set_grad_enabled(False): the policy's next forward had no graph, a traceback at
+    the first backward)."""
+    grad = torch.is_grad_enabled()
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the job's own folder is gone: nothing to go back to
+        cwd = None
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+        except OSError:  # removed meanwhile: nothing to go back to
+            pass
+
+
 def _reward(reward: Reward, x, t: str, spec: str) -> float:
     """One completion's reward (see _rewards)."""
     try:
-        got = reward(x.text, t, x.domain)
+        with _kept_as_it_was():
+            got = reward(x.text, t, x.domain)
     except (KeyboardInterrupt, GeneratorExit):
         raise  # Ctrl-C is the user's stop, not the reward's fault
     except BaseException as e:  # timeout libraries raise BaseException subclasses too
@@ -108,9 +136,18 @@ def _reward(reward: Reward, x, t: str, spec: str) -> float:
                          f"{x.domain!r} prompt: fix the function (it must return a "
                          "number for any text; its traceback is in RUN_DIR/logs/"
                          "rank*.log)") from None  # fmt: skip
+    if inspect.isawaitable(got):  # e.g. a plain function returning an async one's coroutine
+        if inspect.iscoroutine(got):
+            got.close()  # else "coroutine ... was never awaited" warnings follow the one line
+        raise ValueError(f"post.reward={spec!r} returned {got!r:.80}, which is to be awaited, "
+                         "not a number: await it inside the function (e.g. asyncio.run) "
+                         "and return the number")  # fmt: skip
+    if isinstance(got, torch.Tensor):
+        got = got.detach()  # a reward computed with autograd: its value is what counts
     try:  # a number: int, float, bool, a numpy or 0-d torch scalar; not the text "0.5"
         r = math.nan if isinstance(got, str | bytes) else float(got)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # float() runs the value's own code (__float__, a tensor's .item():
+        # RuntimeError on a meta tensor): whatever it raises was a traceback, not one line
         r = math.nan
     if not math.isfinite(r) or abs(r) > REWARD_LIMIT:
         raise ValueError(f"post.reward={spec!r} returned {got!r:.80} "
