@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import functools
 import importlib
 import inspect
@@ -339,6 +340,32 @@ BUILTIN_REWARDS: dict[str, Reward] = {"python_parses": python_parses, "python_li
 PYTHON_REWARDS = frozenset(BUILTIN_REWARDS)
 
 
+@contextlib.contextmanager
+def kept_as_it_was():
+    """What a reward function (or its module, as it loads) may change and the job depends on,
+    put back: the working directory (a reward that runs completions in a sandbox folder, as
+    code rewards do, and chdirs there: the checkpoints of a relative run.dir were written
+    under the sandbox, and a rerun started over) and torch's grad mode (a scorer that calls
+    torch.set_grad_enabled(False): the policy's next forward had no graph, a traceback at
+    the first backward). Torch is not imported here for a built-in reward's sake."""
+    torch = sys.modules.get("torch")
+    grad = torch.is_grad_enabled() if torch is not None else True
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the folder it runs in is gone: nothing to go back to
+        cwd = None
+    try:
+        yield
+    finally:
+        if (torch := sys.modules.get("torch")) is not None:
+            torch.set_grad_enabled(grad)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+        except OSError:  # gone meanwhile: nothing to go back to
+            pass
+
+
 def load_reward(spec: str) -> Reward:
     """A built-in reward by name, or a user function given as ``package.module:function``.
 
@@ -352,19 +379,9 @@ def load_reward(spec: str) -> Reward:
         raise ValueError(
             f"reward {spec!r}: not a built-in ({builtin}) nor of the form package.module:function"
         )
-    # A scoring module may turn torch's grad mode off as it loads (torch.set_grad_enabled(False)
-    # at its top, as inference scripts do: the policy would train without a graph, a
-    # RuntimeError traceback at the first backward) or chdir (a relative run.dir's checkpoints
-    # would land elsewhere): both are put back. Torch is imported by then; it is not imported
-    # here for a built-in reward's sake.
-    torch = sys.modules.get("torch")
-    grad = torch.is_grad_enabled() if torch is not None else True
     try:
-        cwd = os.getcwd()
-    except OSError:  # the folder it runs in is gone: nothing to go back to
-        cwd = None
-    try:
-        module = importlib.import_module(module_name)
+        with kept_as_it_was():  # a scoring module may turn grad off or chdir as it loads
+            module = importlib.import_module(module_name)
     except ImportError as e:
         raise ValueError(
             f"reward {spec!r}: cannot import module {module_name!r} ({e}); "
@@ -376,14 +393,6 @@ def load_reward(spec: str) -> Reward:
             f"reward {spec!r}: importing module {module_name!r} raised "
             f"{type(e).__name__}{': ' + first if first else ''}; fix the module"
         ) from None
-    finally:
-        if (torch := sys.modules.get("torch")) is not None:
-            torch.set_grad_enabled(grad)
-        try:
-            if cwd is not None:
-                os.chdir(cwd)
-        except OSError:  # gone meanwhile: nothing to go back to
-            pass
     fn = getattr(module, attr, None)
     if fn is None:
         raise ValueError(

@@ -11,11 +11,9 @@ gradient plus the KL term.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
-import os
 
 import torch
 
@@ -31,7 +29,7 @@ from wanka.post.engine import (
 from wanka.post.job import PostJob, collected, setup
 from wanka.post.loop import chunks, global_max, global_sum, regularisers, run
 from wanka.post.losses import group_advantages, grpo_loss, token_logprobs
-from wanka.post.rewards import PYTHON_REWARDS, Reward, load_reward
+from wanka.post.rewards import PYTHON_REWARDS, Reward, kept_as_it_was, load_reward
 from wanka.post.rollout import assemble, row_length
 from wanka.resilience.heartbeat import USER_CODE, NullReporter
 
@@ -90,34 +88,10 @@ def _rewards(reward: Reward, prompts, texts: list[str], spec: str,
     return torch.tensor(values, dtype=torch.float64)
 
 
-@contextlib.contextmanager
-def _kept_as_it_was():
-    """What a reward function (or its module, as it loads) may change and the job depends on,
-    put back: the working directory (a reward that runs completions in a sandbox folder, as
-    code rewards do, and chdirs there: the checkpoints of a relative run.dir were written
-    under the sandbox, and a rerun started over) and torch's grad mode (a scorer that calls
-    torch.set_grad_enabled(False): the policy's next forward had no graph, a traceback at
-    the first backward)."""
-    grad = torch.is_grad_enabled()
-    try:
-        cwd = os.getcwd()
-    except OSError:  # the job's own folder is gone: nothing to go back to
-        cwd = None
-    try:
-        yield
-    finally:
-        torch.set_grad_enabled(grad)
-        try:
-            if cwd is not None:
-                os.chdir(cwd)
-        except OSError:  # removed meanwhile: nothing to go back to
-            pass
-
-
 def _reward(reward: Reward, x, t: str, spec: str) -> float:
     """One completion's reward (see _rewards)."""
     try:
-        with _kept_as_it_was():
+        with kept_as_it_was():
             got = reward(x.text, t, x.domain)
     except (KeyboardInterrupt, GeneratorExit):
         raise  # Ctrl-C is the user's stop, not the reward's fault
