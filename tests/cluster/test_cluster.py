@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -256,3 +258,36 @@ def test_each_node_has_its_own_memory(wanka_cluster):
     assert r.stdout.strip() == "['mark-again'] ['mark-again']", r.stderr
     r = c.run("n0", [sys.executable, "-c", MEMORY, "n0", NODE_LOCAL])
     assert r.stdout.strip() == "['mark-n0'] ['mark-n0']", r.stderr  # n0's memory untouched
+
+
+ABANDON = """
+import os, signal, sys
+from wanka.cluster.fixtures import cluster_up
+with cluster_up(1, 1.0, name="wkab", subnet="10.231.9.0/24") as c:
+    print(c.state_dir, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # a test run killed mid-test: nothing is taken down
+"""
+
+
+def test_cluster_left_up_by_a_killed_test_is_taken_down_by_the_next(tmp_path):
+    """A test process killed inside cluster_up leaves its cluster up; the next cluster_up of
+    that name (a rerun) takes it down instead of refusing the name, and a live owner keeps it."""
+    skip_unless_available()
+    r = subprocess.run([sys.executable, "-c", ABANDON], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    old = r.stdout.strip()
+    assert r.returncode == -9 and old, r.stderr[-500:]
+    try:
+        assert testbed.owner_of("wkab") == str(Path(old).resolve())
+        with cluster_up(1, 1.0, name="wkab", subnet="10.231.9.0/24") as c:
+            assert c.state_dir != old and not Path(old).exists()
+            assert testbed.owner_of("wkab") == str(Path(c.state_dir).resolve())
+            # while its test process lives, another cluster_up of the name refuses as before
+            with pytest.raises(ValueError, match="--name wkab is used"):
+                with cluster_up(1, 1.0, name="wkab", subnet="10.231.9.0/24"):
+                    pass
+        assert leftovers("wkab") == []
+    finally:
+        if Path(old).exists():
+            testbed.down(old)
+            shutil.rmtree(old, ignore_errors=True)

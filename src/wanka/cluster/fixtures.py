@@ -4,17 +4,22 @@ a conftest: `from wanka.cluster.fixtures import wanka_cluster  # noqa: F401`."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from wanka.cluster import launch, nodes, testbed
 from wanka.cluster.netns import missing_requirements
 from wanka.cluster.state import ClusterState, Node, require
+
+FIXTURE_PID = "fixture.pid"  # the test process that brought a fixture's cluster up
 
 
 class Cluster:
@@ -67,13 +72,44 @@ def cluster_up(nodes: int = 2, link_gbit: float = 1.0, intra_gbit: float | None 
                name: str = "wkt", subnet: str = "10.231.1.0/24") -> Iterator[Cluster]:  # fmt: skip
     """A cluster with its own state dir, name and subnet (so it never touches the default one),
     torn down on exit whatever happened inside."""
+    _down_if_abandoned(name)
     sdir = tempfile.mkdtemp(prefix=f"wanka-cluster-{name}-")
     try:
+        Path(sdir, FIXTURE_PID).write_text(str(os.getpid()))
         testbed.up(nodes, link_gbit, intra_gbit, name=name, subnet=subnet, sdir=sdir)
         yield Cluster(sdir)
     finally:
         testbed.down(sdir)
         shutil.rmtree(sdir, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _down_if_abandoned(name: str) -> None:
+    """Take down a cluster of this name that an earlier test process brought up and never took
+    down (killed mid-test): made by cluster_up (its state dir records the test's pid) and that
+    process is gone. Anything else keeps the name and `up` refuses as for any user."""
+    owner = testbed.owner_of(name)
+    if owner is None:
+        return
+    try:
+        pid = int(Path(owner, FIXTURE_PID).read_text())
+    except (OSError, ValueError):
+        return  # not a fixture's cluster, or not ours to judge
+    if pid == os.getpid() or _pid_alive(pid):
+        return
+    print(f"taking down the test cluster {name} left up by the ended test process {pid} "
+          f"({owner})", file=sys.stderr)  # fmt: skip
+    testbed.down(owner)
+    shutil.rmtree(owner, ignore_errors=True)
 
 
 def skip_unless_available() -> None:

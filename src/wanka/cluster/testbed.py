@@ -82,7 +82,7 @@ def _marker(name: str) -> str | None:
         return None
 
 
-def _owner(name: str) -> str | None:
+def owner_of(name: str) -> str | None:
     """The state dir of the cluster named `name` that `up` made last, while it is up (its
     state file there names it); None when none is."""
     owner = _marker(name)
@@ -98,7 +98,7 @@ def _owner(name: str) -> str | None:
 def _check_name_free(name: str, sdir: str | Path | None) -> None:
     """Refuse a name a live cluster of another state dir uses: its namespaces and links have
     the same names, and tearing them down as a crash's leftovers would take that cluster."""
-    owner = _owner(name)
+    owner = owner_of(name)
     if owner is not None and owner != _ours(sdir):
         raise ValueError(f"--name {name} is used by the cluster recorded in {owner} (its "
                          f"{Path(owner) / STATE_FILE}): pick another --name, or take that one "
@@ -200,7 +200,7 @@ def down(sdir: str | Path | None = None) -> list[str]:
     st = load(sdir)
     if st is None:
         return []
-    owner = _owner(st.name)
+    owner = owner_of(st.name)
     if owner is not None and owner != _ours(sdir):  # its names were taken over: not ours now
         print(f"the cluster {st.name} recorded in {_ours(sdir)} is gone: its names now belong "
               f"to the cluster recorded in {owner}, which stays up; only {STATE_FILE} "
