@@ -12,7 +12,7 @@ An attack succeeds, and its test fails, when any of these happens:
   the Feedback.
 
 Paths, pids and ports an attacker would find by reading /proc are formatted into most
-sources; atk_c3_proc_fd_forge and atk_c7_ancestor_store find theirs on their own. The
+sources; atk_c3_channel_forge and atk_c7_ancestor_store find theirs on their own. The
 honest test guards the other side: a genuinely faster candidate is credited about what an
 independent timing in this process says.
 """
@@ -96,9 +96,10 @@ ATTACKS = {
         "all cores from kernel entry until a multi-grad hook restores the count"),
     "atk_c3_frame_peaks": Attack(
         "3", "fwd_bwd", "frames: roofline peaks set to 1e18 and durations / 100"),
-    "atk_c3_proc_fd_forge": Attack(
-        "3", "fwd_bwd", "finds result.json/outputs.pt in /proc/self/fd, writes a complete "
-        "forged result with self-made valid samples (os.write), exits 0"),
+    "atk_c3_channel_forge": Attack(
+        "3", "fwd_bwd", "finds the server's socket in /proc/self/fd and its buffer in "
+        "/proc/self/maps, answers every timed call itself (self-made answers) with a complete "
+        "forged result claiming 3x in each reply (os.write), exits 0 at hang-up"),
     "atk_c4_call_counting": Attack(
         "4", "fwd_bwd", "counts its calls: cheap wrong answers on two of every three timed "
         "calls, honest on the check shapes and the rest", wrong=True),
