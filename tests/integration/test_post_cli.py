@@ -100,6 +100,7 @@ def test_rl_with_a_user_reward_function(base, tmp_path):
     [train] = [x for x in rows if x["kind"] == "train"]
     assert train["reward"] == 0.25 and train["completion_tokens"] > 0
     assert train["groups_with_a_reward"] == 1.0 and train["kl_mean"] == 0.0  # equal rewards
+    assert train["groups_with_signal"] == 0.0  # ... so no group has an advantage to learn from
     assert (out / "checkpoints" / "step-00000001").is_dir()
 
 

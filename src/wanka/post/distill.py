@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 
 import torch
 
@@ -33,6 +34,7 @@ from wanka.post.losses import (
     reverse_kl_sampled,
     token_logprobs,
 )
+from wanka.post.origin import run_identity
 from wanka.post.prompts import TaggedPrompt, domains
 from wanka.post.rollout import Samples, assemble, row_length
 
@@ -64,6 +66,33 @@ def check_distill(cfg: JobConfig) -> None:
     check_run_dir(cfg, "distill", {"post.init": p.init} | {f"the teacher for {d!r}": r
                                                            for d, r in teachers.items()})  # fmt: skip
     check_teachers(cfg, teachers, used)
+    check_not_the_student(cfg, teachers, used)
+
+
+def check_not_the_student(cfg: JobConfig, teachers: dict[str, str], used: list[str]) -> None:
+    """A teacher that is post.init's own checkpoint (the same run directory, or a copy) starts
+    equal to the student: every divergence, and its gradient, is 0, so its domain has nothing
+    to learn. Every teacher so: refused (the job would only spend compute). Some: said once,
+    before any rank starts, since that is a use (a teacher per domain the student already
+    masters keeps it from drifting there while the others teach it) but also a likely mistake."""
+    start = run_identity(cfg.post.init)
+    same = [d for d in used if d in teachers and run_identity(teachers[d])[1] == start[1]]
+    if not same:
+        return
+    if len(same) == len(used):
+        which = f"the teacher for {same[0]!r} is" if len(same) == 1 else "every teacher is"
+        raise ValueError(f"post.teachers: {which} post.init's own checkpoint ({start[0]}): the "
+                         "student starts equal to it (divergence 0, gradient 0) and learns "
+                         "nothing; name a teacher trained further (e.g. a `wanka sft` of "
+                         "post.init on the domain)")  # fmt: skip
+    from wanka.distributed.launch import inside_torchrun
+
+    if not inside_torchrun():  # once: the ranks run this check again
+        which = ("the teacher for " if len(same) == 1 else "the teachers for ") + ", ".join(
+            map(repr, same)) + (" is" if len(same) == 1 else " are")  # fmt: skip
+        print(f"wanka distill: note: {which} post.init's own checkpoint ({start[0]}): its "
+              "divergence starts at 0, so those prompts only keep the student near its start",
+              file=sys.stderr)  # fmt: skip
 
 
 class Teachers:

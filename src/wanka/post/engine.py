@@ -86,10 +86,10 @@ def forget_checkpoints() -> None:
     _chosen.clear()
 
 
-def _chosen_checkpoint(run_dir: str | Path) -> Path | None:
+def chosen_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest sound checkpoint of `run_dir` as rank 0 found it at the job's first read
     (a collective: every rank calls it, in the same order, as for the DCP load after it);
-    None when there is none."""
+    None when there is none. The run's origin record (origin.py) names this one too."""
     key = str(Path(run_dir).resolve())
     if key in _chosen:
         return _chosen[key]
@@ -110,8 +110,8 @@ def _chosen_checkpoint(run_dir: str | Path) -> Path | None:
 def load_weights(model: Transformer, run_dir: str | Path, role: str) -> Path:
     """Load the newest sound checkpoint of `run_dir` into a sharded model (DCP reshards from
     whatever layout saved it; optimizer state is not read). Returns the checkpoint's path: the
-    same one for every read of `run_dir` in a job, on every rank (_chosen_checkpoint)."""
-    path = _chosen_checkpoint(run_dir)
+    same one for every read of `run_dir` in a job, on every rank (chosen_checkpoint)."""
+    path = chosen_checkpoint(run_dir)
     if path is None:  # its hint (--checkpoint) is for `wanka generate`, not for here
         found = complete_checkpoints(Path(run_dir) / "checkpoints")
         what = (

@@ -37,6 +37,7 @@ from wanka.post.checks import COMMAND_FILE, check_length
 from wanka.post.engine import (
     Rollout,
     build_sharded,
+    chosen_checkpoint,
     forget_checkpoints,
     load_weights,
     run_config,
@@ -47,7 +48,8 @@ from wanka.post.prompts import (
     TaggedPrompt,
     builtin_prompts,
     domains,
-    split_jsonl_prompts,
+    jsonl_prompts,
+    split_held_out,
 )
 from wanka.post.rewards import PYTHON_REWARDS
 from wanka.resilience.snapshot import apply, layout_signature
@@ -191,7 +193,9 @@ def setup(cfg: JobConfig, command: str) -> PostJob:
                   dims.mesh("dp").get_local_rank(), run_dir)  # fmt: skip
     job.param_dtype, job.runtime = dtype, runtime
     job.drawn_in_order = p.prompts == "builtin"
-    job.origin = origin(cfg, command, domains(train_prompts + val_prompts))
+    # The checkpoints of post.init (rl) and the teachers are chosen here, once for the job
+    # (a collective): the record names exactly what the loads below read.
+    job.origin = origin(cfg, command, domains(train_prompts + val_prompts), chosen_checkpoint)
     runtime.progress.enter("restore")
     job.longest_prompt = max(len(job.encode(x.text)) for x in train_prompts + val_prompts)
     check_length(job.longest_prompt, p.completion_tokens, cfg.model, "post.init")
@@ -300,13 +304,21 @@ def _prompts(cfg: JobConfig, dp: int, command: str
         cont = 4 * p.completion_tokens  # enough reference text for off-policy rows
         seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
         try:
-            return (builtin_prompts("train", n, p.prompt_chars, cont, seed, only),
-                    builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont, seed + 1,
-                                    only))  # fmt: skip
+            val = builtin_prompts("val", p.eval_prompts, p.prompt_chars, cont, seed + 1, only)
+            # Documents of the two splits share text (pydoc topics quote each other): a
+            # training prompt never repeats a held-out one.
+            return (builtin_prompts("train", n, p.prompt_chars, cont, seed, only,
+                                    exclude={x.text for x in val}), val)  # fmt: skip
         except ValueError as e:
             raise ValueError(f"post.prompts='builtin': {e} (post.eval_prompts, "
                              "post.prompt_chars, post.completion_tokens)") from None  # fmt: skip
-    return split_jsonl_prompts(p.prompts, wanted, p.eval_prompts)
+    every = jsonl_prompts(p.prompts, wanted)
+    train, held = split_held_out(every, p.eval_prompts, p.prompts)
+    if (left := len(every) - len(train) - len(held)) and (not dist.is_initialized()
+                                                          or dist.get_rank() == 0):  # fmt: skip
+        log.warning("%s: %d line(s) repeat a held-out prompt: not trained on (%d train / %d "
+                    "held-out prompts)", p.prompts, left, len(train), len(held))  # fmt: skip
+    return train, held
 
 
 def collected(main: Callable[[JobConfig], dict]) -> Callable[[JobConfig], dict]:

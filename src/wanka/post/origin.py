@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from wanka.config.schema import JobConfig
@@ -20,20 +21,31 @@ from wanka.train.checkpoint import MARKER, complete_checkpoints
 Entry = list[str]
 
 
-def run_identity(run_dir: str) -> Entry:
-    """A run directory as the newest complete checkpoint it would give, by content (its
+# Which checkpoint of a run directory a job reads (None: none it can read). A job passes the
+# one its loads use (engine.chosen_checkpoint), so that the record names exactly what was
+# loaded; without it, the newest complete one.
+CheckpointOf = Callable[[str], Path | None]
+
+
+def newest_complete(run_dir: str) -> Path | None:
+    found = complete_checkpoints(Path(run_dir) / "checkpoints")
+    return found[-1] if found else None
+
+
+def run_identity(run_dir: str, checkpoint_of: CheckpointOf = newest_complete) -> Entry:
+    """A run directory as the checkpoint it gives (`checkpoint_of`), by content (its
     manifest's checksums): a moved or copied run is the same one; another run, or this one
     trained on since, is not."""
-    found = complete_checkpoints(Path(run_dir) / "checkpoints")
-    if not found:
+    found = checkpoint_of(run_dir)
+    if found is None:
         return [run_dir, str(Path(run_dir).resolve())]
-    newest = found[-1]
-    shown = f"{run_dir} ({newest.name})"
+    found = Path(found)
+    shown = f"{run_dir} ({found.name})"
     try:
-        files = json.loads((newest / MARKER).read_text())["files"]
+        files = json.loads((found / MARKER).read_text())["files"]
         return [shown, "sha256:" + _sha256(json.dumps(files, sort_keys=True).encode())]
     except (OSError, ValueError, KeyError, TypeError):  # no manifest to go by: its location
-        return [shown, str(newest.resolve())]
+        return [shown, str(found.resolve())]
 
 
 def file_identity(path: str) -> Entry:
@@ -70,15 +82,18 @@ def _plain(value: object) -> Entry:
     return [str(value), str(value)]
 
 
-def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
-    """The record of a `wanka <command>` job whose prompts have the domains `used`. Ordered so
-    that a change is named by its cause (post.prompts before the seed of built-in prompts,
-    post.divergence before beta)."""
+def origin(cfg: JobConfig, command: str, used: list[str],
+           checkpoint_of: CheckpointOf = newest_complete) -> dict[str, Entry]:  # fmt: skip
+    """The record of a `wanka <command>` job whose prompts have the domains `used`; post.init
+    (rl) and the teachers as the checkpoint `checkpoint_of` gives (a job: the one it loads).
+    Ordered so that a change is named by its cause (post.prompts before the seed of built-in
+    prompts, post.divergence before beta)."""
     p = cfg.post
     # RL reads post.init again at every start (its KL reference): by content. The other
     # commands start from it once: by location, so that its run training on meanwhile (a
     # newer checkpoint there) does not stop this one's resume.
-    init = run_identity(p.init) if command == "rl" else [p.init, str(Path(p.init).resolve())]
+    init = (run_identity(p.init, checkpoint_of) if command == "rl"
+            else [p.init, str(Path(p.init).resolve())])  # fmt: skip
     out = {"post.init": init}
     if p.prompts == "builtin":
         seed = cfg.train.seed if p.prompt_seed < 0 else p.prompt_seed
@@ -89,8 +104,11 @@ def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
     else:
         out["post.prompts"] = file_identity(p.prompts)
     out["post.domains"] = _plain(",".join(sorted(used)))
+    # Which prompts are held out (a JSONL file's last ones per domain; built-in training
+    # prompts never repeat a held-out one): another count moves prompts between the sets.
+    out["post.eval_prompts"] = _plain(p.eval_prompts)
     if command == "distill" or (command == "sft" and p.sft_source == "teachers"):
-        out |= _teachers(p.teachers, used)
+        out |= _teachers(p.teachers, used, checkpoint_of)
     if command == "distill":
         out["post.divergence"] = _plain(p.divergence)
         out["post.estimator"] = _plain(p.estimator)
@@ -103,6 +121,8 @@ def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
         if code is not None:  # a user's reward: an edit to its module changes what is rewarded
             out["post.reward:code"] = code
         out["post.kl_coef"] = _plain(p.kl_coef)
+        # The group: what each sample's reward is compared with (its advantage's baseline).
+        out["post.samples_per_prompt"] = _plain(p.samples_per_prompt)
     if command == "sft":
         out["post.sft_source"] = _plain(p.sft_source)
     if command == "draft":  # the drafts per round trained (0 = post.speculate)
@@ -110,12 +130,13 @@ def origin(cfg: JobConfig, command: str, used: list[str]) -> dict[str, Entry]:
     return out
 
 
-def _teachers(spec: str, used: list[str]) -> dict[str, Entry]:
-    """One entry per teacher the job loads (keyed post.teachers:DOMAIN)."""
+def _teachers(spec: str, used: list[str], checkpoint_of: CheckpointOf) -> dict[str, Entry]:
+    """One entry per teacher the job loads (keyed post.teachers:DOMAIN), in the order
+    distill.Teachers loads them (checkpoint_of may be a collective)."""
     out = {}
     for domain, run_dir in sorted(parse_teachers(spec).items()):
         if domain in used:  # a spare teacher is never loaded
-            shown, ident = run_identity(run_dir)
+            shown, ident = run_identity(run_dir, checkpoint_of)
             out[f"post.teachers:{domain}"] = [f"{domain}={shown}", ident]
     return out
 

@@ -105,6 +105,7 @@ def builtin_prompts(
     continuation_chars: int,
     seed: int,
     only: tuple[str, ...] = DOMAINS,
+    exclude: frozenset[str] | set[str] = frozenset(),
 ) -> list[TaggedPrompt]:
     """``n_per_domain`` prompts of each built-in domain, interleaved (code, prose, code, ...).
 
@@ -114,8 +115,11 @@ def builtin_prompts(
     where the prompt parses with ``ast`` (so ``python_parses`` on a continuation is about the
     continuation); prose prompts end before whitespace. Documents too short for a prompt and
     its ``continuation_chars`` reference are skipped; a small split may give several prompts
-    from one document (never the same one twice). ValueError when the split cannot supply
-    ``n_per_domain`` distinct prompts.
+    from one document (never the same one twice). A prompt whose text is in ``exclude`` (the
+    held-out prompts, when drawing training ones) is passed over: documents of the two splits
+    can share text (pydoc topics quote each other), and a held-out prompt that is also trained
+    on measures nothing. ValueError when the split cannot supply ``n_per_domain`` distinct
+    prompts.
     """
     if split not in ("train", "val"):
         raise ValueError(f"builtin_prompts: split must be 'train' or 'val', got {split!r}")
@@ -127,7 +131,7 @@ def builtin_prompts(
     if not set(only) <= set(DOMAINS) or not only:
         raise ValueError(f"builtin_prompts: domains are {DOMAINS}, got {only!r}")
     per_domain = [
-        _sample(domain, split, n_per_domain, prompt_chars, continuation_chars, seed)
+        _sample(domain, split, n_per_domain, prompt_chars, continuation_chars, seed, exclude)
         for domain in DOMAINS
         if domain in only
     ]
@@ -135,7 +139,13 @@ def builtin_prompts(
 
 
 def _sample(
-    domain: str, split: str, n: int, prompt_chars: int, cont_chars: int, seed: int
+    domain: str,
+    split: str,
+    n: int,
+    prompt_chars: int,
+    cont_chars: int,
+    seed: int,
+    exclude: frozenset[str] | set[str] = frozenset(),
 ) -> list[TaggedPrompt]:
     rng = random.Random(f"wanka.post.prompts:{seed}:{split}:{domain}")
     min_len = prompt_chars // 2 + cont_chars
@@ -152,7 +162,7 @@ def _sample(
         if not order:
             order = rng.sample(docs, len(docs))
         made = make(order.pop().text, rng, prompt_chars, cont_chars)
-        if made is not None and made[0] not in seen:
+        if made is not None and made[0] not in seen and made[0] not in exclude:
             seen.add(made[0])
             out.append(TaggedPrompt(made[0], domain, made[1]))
     if len(out) < n:
@@ -230,7 +240,13 @@ def read_prompts_jsonl(path: str | Path) -> list[TaggedPrompt]:
 def split_jsonl_prompts(path: str | Path, wanted: set[str] | None, eval_prompts: int
                         ) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:  # fmt: skip
     """(train, held-out) prompts of a JSONL file: only the ``wanted`` domains (None: all), the
-    last ``eval_prompts`` of each domain held out. One-line ValueErrors naming the key."""
+    last ``eval_prompts`` distinct prompts of each domain held out (split_held_out). One-line
+    ValueErrors naming the key."""
+    return split_held_out(jsonl_prompts(path, wanted), eval_prompts, path)
+
+
+def jsonl_prompts(path: str | Path, wanted: set[str] | None) -> list[TaggedPrompt]:
+    """Every prompt of a JSONL file in the ``wanted`` domains (None: all)."""
     every = read_prompts_jsonl(path)
     if wanted is not None:
         missing = sorted(set(wanted) - set(domains(every)))
@@ -238,15 +254,36 @@ def split_jsonl_prompts(path: str | Path, wanted: set[str] | None, eval_prompts:
             raise ValueError(f"post.domains names {missing}, but {path} has the domains "
                              f"{domains(every)}")  # fmt: skip
         every = [x for x in every if x.domain in wanted]
-    held, train = [], []
-    for d in domains(every):  # the last eval_prompts of each domain are held out
+    return every
+
+
+def split_held_out(every: list[TaggedPrompt], eval_prompts: int, where: str | Path
+                   ) -> tuple[list[TaggedPrompt], list[TaggedPrompt]]:  # fmt: skip
+    """(train, held-out): per domain, the ``eval_prompts`` distinct prompt texts that come
+    last in the file are held out, one row each (the last); every row with a held-out text
+    (a repeat, in any domain) is left out of training, so no held-out prompt is trained on.
+    Deterministic: file order, domains sorted. Without repeats: the last rows of each domain."""
+    held: list[TaggedPrompt] = []
+    for d in domains(every):
         rows = [x for x in every if x.domain == d]
-        if len(rows) <= eval_prompts:
-            raise ValueError(f"{path}: domain {d!r} has {len(rows)} prompts, post."
+        last: dict[str, TaggedPrompt] = {}  # text -> its last row, in order of last appearance
+        for x in rows:
+            last.pop(x.text, None)
+            last[x.text] = x
+        if len(last) <= eval_prompts:
+            distinct = f" ({len(last)} distinct)" if len(last) < len(rows) else ""
+            raise ValueError(f"{where}: domain {d!r} has {len(rows)} prompts{distinct}, post."
                              f"eval_prompts={eval_prompts} are held out: add prompts or "
                              "lower post.eval_prompts")  # fmt: skip
-        train += rows[:-eval_prompts] if eval_prompts else rows
-        held += rows[-eval_prompts:] if eval_prompts else []
+        held += list(last.values())[len(last) - eval_prompts :]
+    held_texts = {x.text for x in held}
+    train: list[TaggedPrompt] = []
+    for d in domains(every):
+        kept = [x for x in every if x.domain == d and x.text not in held_texts]
+        if not kept:  # its other texts are held out under another domain
+            raise ValueError(f"{where}: every prompt of domain {d!r} is also a held-out prompt "
+                             "(of another domain): add prompts or lower post.eval_prompts")  # fmt: skip
+        train += kept
     return train, held
 
 

@@ -13,7 +13,8 @@ DIVERGENCE = "divergence/"
 VAL_LOSS = "val_loss/"
 VAL_RKL = "val_reverse_kl/"
 TEACHER_EVAL = "teacher_eval"
-_RL_TRAIN_KEYS = ("reward", "groups_with_a_reward", "kl_mean", "clip_fraction")
+_RL_TRAIN_KEYS = ("reward", "groups_with_signal", "groups_with_a_reward", "kl_mean",
+                  "clip_fraction")  # fmt: skip
 ACCEPTANCE = "val_acceptance/"
 _DRAFT_EVAL_KEYS = ("val_mtp_kl", "val_mean_acceptance_length")
 
@@ -173,16 +174,21 @@ def _distill_panels(axes, train: list[dict], evals: list[dict], events: list[dic
 def _rl_panels(axes, train: list[dict], evals: list[dict]) -> None:
     ax_rw, ax_kl, ax_loss = axes
     # Panel 1: reward (train per step, eval points) and, on a twin axis, the share of groups
-    # with any reward: a group whose rewards are all equal gives no learning signal.
+    # with signal (rewards not all equal: a group of equal rewards teaches nothing, whatever
+    # their value). Runs from before that metric show groups_with_a_reward (max > 0).
     drawn = _line(ax_rw, train, "reward", color="tab:blue")
     drawn |= _line(ax_rw, evals, "val_reward", color="black", linestyle="--", marker="o", markersize=4)  # fmt: skip
     if drawn:
         ax_rw.legend(loc="upper left", fontsize="small")
-    xs, ys = _series(train, "groups_with_a_reward")
+    share = "groups_with_signal"
+    xs, ys = _series(train, share)
+    if not xs:
+        share = "groups_with_a_reward"
+        xs, ys = _series(train, share)
     if xs:
         tw = ax_rw.twinx()
-        tw.plot(xs, ys, color="tab:green", linewidth=0.9, alpha=0.8, label="groups_with_a_reward")
-        tw.set_ylabel("groups with a reward", color="tab:green")
+        tw.plot(xs, ys, color="tab:green", linewidth=0.9, alpha=0.8, label=share)
+        tw.set_ylabel(share.replace("_", " "), color="tab:green")
         tw.set_ylim(-0.05, 1.05)
     if not drawn and not xs:
         _empty(ax_rw, "no reward data")

@@ -130,6 +130,14 @@ def _reward(reward: Reward, x, t: str, spec: str) -> float:
     return r
 
 
+def groups_with_signal(rewards: torch.Tensor, group_size: int) -> int:
+    """Groups whose rewards are not all equal: those with nonzero advantages
+    (losses.group_advantages), the only ones the policy gradient learns from. A group of all
+    successes gives none, as one of all failures, and so does any constant reward."""
+    r = rewards.view(-1, group_size)
+    return int((r != r[:, :1]).any(dim=1).sum())
+
+
 def make_step(reference: torch.nn.Module, reward: Reward):
     def step(job: PostJob, step: int):
         p = job.cfg.post
@@ -156,11 +164,14 @@ def make_step(reference: torch.nn.Module, reward: Reward):
                                    return_logits=True)  # fmt: skip
                 old = token_logprobs(parts.logits, s.targets)
                 zero_routing_counts(job.policy)
-        r_sum, r_count, solved = global_sum(
+        r_sum, r_count, solved, spread = global_sum(
             float(rewards.sum()), float(len(rewards)),
-            float((rewards.view(-1, G).max(1).values > 0).sum()))  # fmt: skip
-        m = {"reward": r_sum / r_count, "groups_with_a_reward": solved / (r_count / G),
-             "completion_tokens": n}  # fmt: skip
+            float((rewards.view(-1, G).max(1).values > 0).sum()),
+            float(groups_with_signal(rewards, G)))  # fmt: skip
+        # groups_with_signal: the share GRPO learns from; groups_with_a_reward: the share where
+        # some sample scored above 0 (for a 0/1 reward, solved at least once in G tries).
+        m = {"reward": r_sum / r_count, "groups_with_signal": spread / (r_count / G),
+             "groups_with_a_reward": solved / (r_count / G), "completion_tokens": n}  # fmt: skip
 
         def updates():
             for _ in range(p.updates_per_batch):
