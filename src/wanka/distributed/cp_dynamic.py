@@ -12,9 +12,11 @@ within each dp group's own rows; the plan with the lower maximum is kept (``assi
 2. Otherwise it is split over the ranks of ONE block of ``span`` ranks (a CP group at first):
    the block whose ranks it can be water-filled onto at the lowest level, preferring blocks
    that already exchange keys (so the others can skip the all-gather). Each rank gets a front
-   chunk and an equally long back chunk (head-tail) whose modelled cost meets its water-filled
-   share; cut by cost, not by tokens, because DSA's min(p + 1, topk) makes a document's first
-   topk positions cheap (equal-token chunks are kept when they give the lower maximum).
+   chunk and a back chunk (head-tail) whose modelled cost meets its water-filled share; cut by
+   cost, not by tokens, because DSA's min(p + 1, topk) makes a document's first topk positions
+   cheap. Three cuts are tried and the one with the lower maximum kept: equal-token chunks,
+   equally long pairs cut to cost, and pairs of unequal length that keep each rank's token
+   share exactly and match its cost (what works when the token budget binds).
 
 3. When the busiest rank is still more than 2% above the mean and some document costs more
    than the mean even spread over a CP group (e.g. a long document in one dp group's rows,
@@ -186,6 +188,41 @@ def _cost_balanced_cuts(
     return cuts[cuts[:, 2] > cuts[:, 1]]
 
 
+def _share_matched_cuts(cost: CostModel, shares: np.ndarray, n: int) -> np.ndarray:
+    """Like ``_cost_balanced_cuts``, but each rank keeps exactly its token share and gets its
+    cost share too: its front and back chunks may differ in length.
+
+    Under a token budget the equal-length pair cannot do both: the rank holding a document's
+    first (cheap) topk positions reaches its cost share only past its token room (an 8k-token
+    document over 4 ranks at a 10% budget: that rank at 0.88 of the mean, the others at 1.10).
+    Here ranks in order take, of their share s, a front chunk of x tokens and a back chunk of
+    s - x, x found by bisection: the cost falls as x grows (a front token sits at a lower
+    position than the back token it replaces, and cost per token never falls with position),
+    so the largest cost not above the share's cost at the document's mean cost per token is
+    one search away. Every rank then takes that mean per token, so what is left keeps it and
+    the next rank can match it too; the last takes the middle."""
+    j = np.flatnonzero(shares)
+    per_token = _piece_cost(cost, 0, n) / n
+    rows, a, e = [], 0, n
+    for i, rank in enumerate(j.tolist()):
+        s = int(shares[rank])
+        if i == len(j) - 1:
+            rows.append((rank, a, e))
+            break
+        target = s * per_token
+        lo, hi = 0, s  # smallest front length whose pair costs no more than the target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _piece_cost(cost, a, a + mid) + _piece_cost(cost, e - s + mid, e) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        rows += [(rank, a, a + lo), (rank, e - s + lo, e)]
+        a, e = a + lo, e - s + lo
+    cuts = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return cuts[cuts[:, 2] > cuts[:, 1]]
+
+
 def _split(state: _State, cost: CostModel, n: int, c: float, limit: float):
     """Best split over one CP group: (group, [group-local rank, start, end], their costs,
     the group's new max cost), or None when no group has room."""
@@ -205,7 +242,11 @@ def _split(state: _State, cost: CostModel, n: int, c: float, limit: float):
     if tiny.any() and rooms[g][~tiny].sum() >= n:
         shares = _token_shares(loads[g], np.where(tiny, 0, rooms[g]), n, c)
     best = None
-    for cuts in (_head_tail_cuts(shares, n), _cost_balanced_cuts(cost, shares, rooms[g], n)):
+    for cuts in (
+        _head_tail_cuts(shares, n),
+        _cost_balanced_cuts(cost, shares, rooms[g], n),
+        _share_matched_cuts(cost, shares, n),
+    ):
         held = np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=cp)
         if np.any(held > rooms[g]):  # the cost-balanced pairs moved tokens past a room
             continue
