@@ -436,7 +436,7 @@ def test_dynamic_balances_dense_documents_among_cheap_ones_within_the_budget() -
 
 
 def test_share_matched_cuts_tile_the_document_and_keep_each_share() -> None:
-    from wanka.distributed.cp_dynamic import _piece_cost, _share_matched_cuts
+    from wanka.distributed.cp_dynamic import _share_matched_cuts
 
     rng = np.random.default_rng(1)
     for _ in range(300):
@@ -453,9 +453,9 @@ def test_share_matched_cuts_tile_the_document_and_keep_each_share() -> None:
         assert np.all(np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=m)
                       == shares)  # fmt: skip
         # each rank but the last within one token's cost of its share's cost at the mean
-        per_token = _piece_cost(cost, 0, n) / n
+        per_token = cost.piece_cost(0, n) / n
         got = np.bincount(cuts[:, 0], weights=cost.cost(cuts[:, 1], cuts[:, 2]), minlength=m)
-        top = _piece_cost(cost, n - 1, n)
+        top = cost.piece_cost(n - 1, n)
         for r in np.flatnonzero(shares)[:-1].tolist():
             assert abs(got[r] - shares[r] * per_token) <= top * (1 + 1e-9) + 1e-15
 

@@ -210,10 +210,9 @@ def run_measured(lengths: np.ndarray, source: str, out: Path, *, seq_lens: tuple
         "cost_model": dataclasses.asdict(fitted), "fit": fit, "targets": report.targets(runs),
     }  # fmt: skip
     table = report.markdown_measured(runs)
-    table += (f"\n\ncost model fit on {fit['samples']} (rank, step) samples: linear "
-              f"{fitted.linear:.3g} s/token, sparse {fitted.sparse:.3g} s/pair, dense "
-              f"{fitted.dense:.3g} s/pair (topk {fitted.topk}); mean relative error "
-              f"{fit['mean_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")  # fmt: skip
+    table += (f"\n\ncost model fit on {fit['samples']} (rank, step) samples: "
+              f"{report.describe(fitted)}; mean relative error {fit['mean_rel_error']:.1%}, "
+              f"max {fit['max_rel_error']:.1%}")  # fmt: skip
     table += "\n" + report.targets_line(doc["targets"])
     _write(doc, table, out, lambda p: report.plot_measured(runs, p))
     return doc

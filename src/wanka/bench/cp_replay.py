@@ -24,8 +24,10 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import torch
 
+from wanka.bench.cp_report import fit_cost
 from wanka.bench.cp_worker import FIXED, build_model, packed_batch
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch
@@ -172,6 +174,8 @@ def replay_steps(model: torch.nn.Module, cfg: ModelConfig, rows: Batch, dp: int,
             out[layout].append({"rank": rank, "tokens": int(local.tokens.numel()),
                                 "compute_s": min(t), "wall_s": min(t), "repeats_s": t,
                                 "plan_s": plan_s, "terms": [int(x.sum()) for x in terms],
+                                "pieces": np.column_stack([plan.piece_start[mine],
+                                                           plan.piece_end[mine]]).tolist(),
                                 "span": plan.span})  # fmt: skip
     return out
 
@@ -209,9 +213,8 @@ def run_replay(spec: dict, repeats: int) -> list[dict]:
         fixed = [x for x in layouts if x in FIXED]
         calibration = _run(model, cfg, batches[1 : 1 + calib], dp, cp, fixed, plan_cost, repeats)
         if given is None and calib > 0:
-            samples = [r["terms"] + [r["compute_s"]]
-                       for st in calibration.values() for step in st for r in step]  # fmt: skip
-            plan_cost = CostModel.fit(samples, topk=cfg.index_topk)
+            records = [r for st in calibration.values() for step in st for r in step]
+            plan_cost = fit_cost(records, cfg.index_topk)[0]
         per_step = _run(model, cfg, batches[1 + calib :], dp, cp, layouts, plan_cost, repeats)
         runs.append({"seq_len": seq_len, "per_step": per_step, "calibration": calibration,
                      "plan_cost": dataclasses.asdict(plan_cost)})  # fmt: skip

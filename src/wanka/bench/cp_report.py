@@ -44,6 +44,12 @@ def summarise_layout(steps: list[list[dict]], tokens_per_step: int) -> dict:
         "compute_s": compute.tolist(),
         "plan_s": plan.tolist(),
         "terms": [[r["terms"] for r in s] for s in steps],
+        # [start, end) of each piece a rank held: what a position profile is fitted on
+        **(
+            {"pieces": [[r["pieces"] for r in s] for s in steps]}
+            if all("pieces" in r for s in steps for r in s)
+            else {}
+        ),  # fmt: skip
     }
 
 
@@ -55,7 +61,14 @@ def add_modelled(runs: list[dict], cost: CostModel) -> None:
     for run in runs:
         busiest = {}
         for name, lay in run["layouts"].items():
-            m = np.array(lay["terms"], dtype=np.float64) @ coef
+            if "pieces" in lay:
+                m = np.array([[sum(cost.piece_cost(a, e) for a, e in rank) for rank in step]
+                              for step in lay["pieces"]])  # fmt: skip
+            elif cost.profile:
+                raise ValueError("a cost model with a position profile needs the pieces of "
+                                 "each rank (runs recorded before profiles lack them)")  # fmt: skip
+            else:
+                m = np.array(lay["terms"], dtype=np.float64) @ coef
             lay["modelled_mean_imbalance"] = float((m.max(1) / m.mean(1)).mean())
             busiest[name] = float(m.max(1).sum())
         run["modelled_ratios"] = (
@@ -77,15 +90,44 @@ def ratios(layouts: dict[str, dict], key: str) -> dict[str, float]:
     return {f"vs_{x}": d / layouts[x][key] for x in ("contiguous", "head_tail") if x in layouts}
 
 
+PROFILE_BIN = 512  # positions per bin of a fitted cost profile
+
+
 def fit_cost(records: list[dict], topk: int) -> tuple[CostModel, dict]:
-    """CostModel.fit on measured (rank, step) records: its pieces' terms -> its compute time."""
-    rows = [r["terms"] + [r["compute_s"]] for r in records]
-    model = CostModel.fit(rows, topk=topk)
-    data = np.array(rows, dtype=np.float64)
-    pred = data[:, :3] @ np.array([model.linear, model.sparse, model.dense])
-    rel = np.abs(pred - data[:, 3]) / data[:, 3]
-    return model, {"samples": len(rows), "mean_rel_error": float(rel.mean()),
-                   "max_rel_error": float(rel.max())}  # fmt: skip
+    """The cost model of measured (rank, step) records -> their compute time: the three-term
+    fit (CostModel.fit on each record's terms) and, where the records hold their pieces, the
+    position profile (CostModel.fit_profile); the one with the lower mean relative error wins
+    (both errors are reported)."""
+    y = np.array([r["compute_s"] for r in records], dtype=np.float64)
+
+    def errors(model: CostModel, pieces: list[list[list[int]]]) -> np.ndarray:
+        pred = np.array([sum(model.piece_cost(a, e) for a, e in p) for p in pieces])
+        return np.abs(pred - y) / y
+
+    terms = CostModel.fit([r["terms"] + [r["compute_s"]] for r in records], topk=topk)
+    data = np.array([r["terms"] for r in records], dtype=np.float64)
+    rel = np.abs(data @ np.array([terms.linear, terms.sparse, terms.dense]) - y) / y
+    best, fit = terms, {"form": "terms", "mean_rel_error_terms": float(rel.mean())}
+    if all("pieces" in r for r in records):
+        pieces = [r["pieces"] for r in records]
+        profile = CostModel.fit_profile(zip(pieces, y.tolist()), PROFILE_BIN, topk=topk)
+        rel_p = errors(profile, pieces)
+        fit["mean_rel_error_profile"] = float(rel_p.mean())
+        if rel_p.mean() < rel.mean():
+            best, rel, fit["form"] = profile, rel_p, "profile"
+    fit.update(samples=len(records), mean_rel_error=float(rel.mean()),
+               max_rel_error=float(rel.max()))  # fmt: skip
+    return best, fit
+
+
+def describe(model: CostModel) -> str:
+    """The fitted model in one line."""
+    if model.profile:
+        ms = ", ".join(f"{v * 1e3:.3g}" for v in model.profile)
+        return (f"per-token cost by position (ms per {model.profile_bin} positions, "
+                f"non-decreasing): {ms}")  # fmt: skip
+    return (f"linear {model.linear:.3g} s/token, sparse {model.sparse:.3g} s/pair, dense "
+            f"{model.dense:.3g} s/pair (topk {model.topk})")  # fmt: skip
 
 
 def targets(runs: list[dict]) -> list[dict]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from wanka.bench.cp_report import fit_cost
 from wanka.config.schema import ModelConfig
 from wanka.data.loader import Batch
 from wanka.distributed.context_parallel import CPSharder
@@ -64,15 +65,16 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def _rank_terms(rows: Batch, dp: int, cp: int, layout: str, plan_cost: CostModel,
-                topk: int, rank: int) -> tuple[list[int], int]:  # fmt: skip
-    """((tokens, sparse pairs, dense pairs) of the pieces `rank` holds, the plan's gather span)
-    (plans are deterministic: this is the plan CPSharder used)."""
+                topk: int, rank: int) -> tuple[list[int], list[list[int]], int]:  # fmt: skip
+    """((tokens, sparse pairs, dense pairs) of the pieces `rank` holds, those pieces [start,
+    end), the plan's gather span) (plans are deterministic: this is the plan CPSharder used)."""
     per_row = rows_from_doc_ids(rows.doc_ids.numpy())
     B = len(per_row) // dp
     plan = plan_step([per_row[g * B : (g + 1) * B] for g in range(dp)], cp, layout, plan_cost)
     mine = plan.piece_rank == rank
     terms = CostModel(topk=topk).terms(plan.piece_start[mine], plan.piece_end[mine])
-    return [int(t.sum()) for t in terms], plan.span
+    pieces = np.column_stack([plan.piece_start[mine], plan.piece_end[mine]]).tolist()
+    return [int(t.sum()) for t in terms], pieces, plan.span
 
 
 class _Ranks:
@@ -103,11 +105,12 @@ class _Ranks:
         c2, w1 = time.thread_time(), time.perf_counter()
         self.model.zero_grad(set_to_none=True)
         rank = dist.get_rank()
-        terms, span = _rank_terms(
+        terms, pieces, span = _rank_terms(
             rows, self.dp, self.cp, layout, plan_cost, self.cfg.index_topk, rank
         )
         return {"rank": rank, "tokens": int(b.tokens.numel()), "wall_s": w1 - w0,
-                "plan_s": c1 - c0, "compute_s": c2 - c1, "terms": terms, "span": span}  # fmt: skip
+                "plan_s": c1 - c0, "compute_s": c2 - c1, "terms": terms, "pieces": pieces,
+                "span": span}  # fmt: skip
 
 
 def _gather(mine: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:
@@ -119,11 +122,11 @@ def _gather(mine: dict[str, list[dict]]) -> dict[str, list[list[dict]]]:
             for x in mine}  # type: ignore[index]  # fmt: skip
 
 
-def _fit_on_rank0(samples: list[list[float]], topk: int) -> CostModel:
+def _fit_on_rank0(records: list[dict], topk: int) -> CostModel:
     """Rank 0 fits, everyone gets its coefficients: dynamic plans must match bit for bit."""
     box: list[dict | None] = [None]
     if dist.get_rank() == 0:
-        box[0] = dataclasses.asdict(CostModel.fit(samples, topk=topk))
+        box[0] = dataclasses.asdict(fit_cost(records, topk)[0])
     dist.broadcast_object_list(box, src=0)
     return CostModel(**box[0])  # type: ignore[arg-type]
 
@@ -153,10 +156,8 @@ def run_seq_len(ranks: _Ranks, steps: list[list[list[int]]], calib: int, seed: i
     calibration = _run(ranks, batches[1 : 1 + calib], [x for x in layouts if x in FIXED],
                        plan_cost)  # fmt: skip
     if given is None and calib > 0:
-        samples = [
-            r["terms"] + [r["compute_s"]] for s in calibration.values() for t in s for r in t
-        ]
-        plan_cost = _fit_on_rank0(samples, topk)
+        records = [r for s in calibration.values() for t in s for r in t]
+        plan_cost = _fit_on_rank0(records, topk)
     return {"per_step": _run(ranks, batches[1 + calib :], layouts, plan_cost),
             "calibration": calibration, "plan_cost": dataclasses.asdict(plan_cost)}  # fmt: skip
 

@@ -13,6 +13,14 @@ over its in-document positions p (causal attention: the query at p sees p + 1 ke
   warm-up stage) is too. Both prefix terms are kept and ``fit`` decides their weights from
   measurements, rather than us guessing how much of the indexer cost hides behind the rest.
 
+``profile`` (optional, fitted): a per-token cost by position in the document, in bins of
+``profile_bin`` tokens (the last bin's value holds past the end), added to the three terms. A
+kernel's real cost need not follow min(p + 1, topk) and p + 1: the CPU sparse-attention kernel
+goes dense over the columns most of a chunk's queries select, so its cost per token climbs
+from the first position to about 1.5 x topk and is flat after (measured at topk 2048, 8k
+tokens: 0.85, 1.06, 1.57, 3.02, then 2.8-2.9 ms per token per 1024 positions). Fitted as a
+non-decreasing step function (``fit_profile``), what a longer prefix never makes cheaper.
+
 ``gather`` is not a piece's cost but a step's: seconds per token of a rank's gathered K/V
 buffer (the all-gather forward and reduce-scatter backward, every layer). A plan that
 splits documents over a block of ``span`` ranks pays about ``gather * span * lmax``; the
@@ -60,8 +68,19 @@ class CostModel:
     dense: float = 8e-10  # 12 indexer layers * 2 * 64 * 128 FLOP / (0.25 * 1e15)
     topk: int = 2048
     gather: float = 2.33e-6  # 2 * 48 * (576 + 128 / 4) * 2 bytes / 50e9 bytes/s
+    profile: tuple[float, ...] = ()  # seconds per token by position bin (fit_profile)
+    profile_bin: int = 0  # positions per profile bin
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "profile", tuple(float(v) for v in self.profile))
+        if self.profile and (
+            isinstance(self.profile_bin, bool)
+            or not isinstance(self.profile_bin, (int, np.integer))
+            or not 1 <= self.profile_bin <= 1 << 30
+            or len(self.profile) > 4096
+        ):
+            raise ValueError(f"cost model profile needs a whole profile_bin in 1..2^30 and at "
+                             f"most 4096 bins: {self}")  # fmt: skip
         # topk counts keys: a whole number (NaN passed `topk < 1` and made every cost NaN; a
         # float or a 1e30 gave nonsense pair counts or an int64 overflow in a traceback).
         if (
@@ -70,7 +89,7 @@ class CostModel:
             or not (1 <= self.topk <= 1 << 40)
         ):
             raise ValueError(f"cost model topk must be a whole number in 1..2^40: {self}")
-        coefs = (self.linear, self.sparse, self.dense)
+        coefs = (self.linear, self.sparse, self.dense, *self.profile)
         finite = all(math.isfinite(c) for c in (*coefs, self.gather))  # NaN compares false
         if not finite or min(coefs) < 0 or max(coefs) <= 0 or self.gather < 0:
             raise ValueError(
@@ -94,7 +113,29 @@ class CostModel:
     def cost(self, start: np.ndarray | int, end: np.ndarray | int) -> np.ndarray:
         """Modelled cost of pieces [start, end) (element-wise over arrays)."""
         tokens, sparse, dense = self.terms(start, end)
-        return self.linear * tokens + self.sparse * sparse + self.dense * dense
+        c = self.linear * tokens + self.sparse * sparse + self.dense * dense
+        if self.profile:
+            c = c + self._profile_prefix(end) - self._profile_prefix(start)
+        return c
+
+    def _profile_prefix(self, n: np.ndarray | int) -> np.ndarray:
+        """Profile cost of positions [0, n)."""
+        prof = np.asarray(self.profile)
+        done = np.concatenate([[0.0], np.cumsum(prof[:-1]) * self.profile_bin])
+        n = np.asarray(n, dtype=np.int64)
+        j = np.minimum(n // self.profile_bin, len(prof) - 1)
+        return done[j] + (n - j * self.profile_bin) * prof[j]
+
+    def piece_cost(self, s: int, e: int) -> float:
+        """cost(s, e) for one piece in Python scalars (the planner's bisections call it often)."""
+        k = self.topk
+        hs, he = min(s, k), min(e, k)
+        sparse = he * (he + 1) // 2 + (e - he) * k - hs * (hs + 1) // 2 - (s - hs) * k
+        dense = e * (e + 1) // 2 - s * (s + 1) // 2
+        c = self.linear * (e - s) + self.sparse * sparse + self.dense * dense
+        if self.profile:
+            c += float(self._profile_prefix(e)) - float(self._profile_prefix(s))
+        return c
 
     def doc_cost(self, lengths: np.ndarray | int) -> np.ndarray:
         """Cost of whole documents of the given lengths."""
@@ -133,6 +174,61 @@ class CostModel:
         linear, sparse, dense = (best / scale).tolist()
         return cls(linear=linear, sparse=sparse, dense=dense, topk=topk)
 
+    @classmethod
+    def fit_profile(
+        cls, samples: Iterable[tuple[Sequence[tuple[int, int]], float]], bin_tokens: int,
+        topk: int = 2048,
+    ) -> CostModel:  # fmt: skip
+        """A non-decreasing per-token cost by position bin from (pieces [(start, end), ...],
+        seconds) samples: non-negative least squares on the steps between bins (feature i =
+        the sample's tokens at positions >= i x bin_tokens), so the step function rises or
+        stays, never falls. Bins run to the last position any sample holds."""
+        data = [(list(p), float(t)) for p, t in samples]
+        if not data or bin_tokens < 1:
+            raise ValueError("fit_profile wants samples of (pieces, seconds) and bin_tokens >= 1")
+        top = max((e for p, _ in data for _, e in p), default=0)
+        m = max(1, -(-top // bin_tokens))
+        edges = np.arange(m) * bin_tokens
+        x = np.zeros((len(data), m))
+        for row, (pieces, _) in enumerate(data):
+            for a, e in pieces:  # tokens at positions >= each edge
+                x[row] += np.clip(e - np.maximum(a, edges), 0, None)
+        y = np.array([t for _, t in data])
+        steps = nnls(x, y)
+        if not steps.any():
+            raise ValueError("fit found no positive coefficient: are the timings positive?")
+        return cls(linear=0.0, sparse=0.0, dense=0.0, topk=topk,
+                   profile=tuple(np.cumsum(steps).tolist()), profile_bin=int(bin_tokens))  # fmt: skip
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """argmin ||a x - b|| over x >= 0 (Lawson and Hanson's active set method)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale  # columns of tokens and pairs differ by orders of magnitude
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    for _ in range(max_iter or 3 * n + 10):
+        w = a.T @ (b - a @ x)
+        cand = ~free & (w > 1e-12 * max(1.0, float(np.abs(w).max())))
+        if not cand.any():
+            break
+        free[int(np.argmax(np.where(cand, w, -np.inf)))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            neg = free & (z <= 0)
+            alpha = float(np.min(x[neg] / (x[neg] - z[neg])))
+            x = x + alpha * (z - x)
+            free &= x > 1e-15
+            x[~free] = 0.0
+    return x / scale
+
 
 def load_cost(path: Path | str, what: str = "--cost") -> CostModel:
     """The fitted cost model of a `wanka bench cp` result JSON (or a JSON of just its fields);
@@ -140,7 +236,7 @@ def load_cost(path: Path | str, what: str = "--cost") -> CostModel:
     try:
         doc = json.loads(Path(path).read_text())
         fields = doc.get("cost_model", doc)
-        extra = {"gather": fields["gather"]} if "gather" in fields else {}
+        extra = {k: fields[k] for k in ("gather", "profile", "profile_bin") if k in fields}
         return CostModel(**{k: fields[k] for k in ("linear", "sparse", "dense", "topk")}, **extra)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {path}: no such file") from None

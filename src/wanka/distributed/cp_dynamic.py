@@ -146,14 +146,6 @@ def _head_tail_cuts(shares: np.ndarray, n: int) -> np.ndarray:
     return cuts[cuts[:, 2] > cuts[:, 1]]
 
 
-def _piece_cost(cost: CostModel, s: int, e: int) -> float:
-    """cost.cost(s, e) for one piece in Python scalars (the bisection below calls it often)."""
-    hs, he = min(s, cost.topk), min(e, cost.topk)
-    sparse = he * (he + 1) // 2 + (e - he) * cost.topk - hs * (hs + 1) // 2 - (s - hs) * cost.topk
-    dense = e * (e + 1) // 2 - s * (s + 1) // 2
-    return cost.linear * (e - s) + cost.sparse * sparse + cost.dense * dense
-
-
 def _cost_balanced_cuts(
     cost: CostModel, shares: np.ndarray, rooms: np.ndarray, n: int
 ) -> np.ndarray:
@@ -167,18 +159,18 @@ def _cost_balanced_cuts(
     meets their target (bisection on the length, at most the rank's token room; what a room
     leaves undone is shared out over the ranks after it); the last takes the middle."""
     j = np.flatnonzero(shares)
-    targets = shares[j] * (_piece_cost(cost, 0, n) / n)
+    targets = shares[j] * (cost.piece_cost(0, n) / n)
     rows, a, e = [], 0, n
     for i, rank in enumerate(j.tolist()):
         if i == len(j) - 1:
             rows.append((rank, a, e))
             break
-        left = _piece_cost(cost, a, e)  # what the remaining ranks must take, shared as planned
+        left = cost.piece_cost(a, e)  # what the remaining ranks must take, shared as planned
         target = left * float(targets[i] / targets[i:].sum())
         lo, hi = 0, min((e - a) // 2, int(rooms[rank]) // 2)  # largest pair within target
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _piece_cost(cost, a, a + mid) + _piece_cost(cost, e - mid, e) <= target:
+            if cost.piece_cost(a, a + mid) + cost.piece_cost(e - mid, e) <= target:
                 lo = mid
             else:
                 hi = mid - 1
@@ -202,7 +194,7 @@ def _share_matched_cuts(cost: CostModel, shares: np.ndarray, n: int) -> np.ndarr
     one search away. Every rank then takes that mean per token, so what is left keeps it and
     the next rank can match it too; the last takes the middle."""
     j = np.flatnonzero(shares)
-    per_token = _piece_cost(cost, 0, n) / n
+    per_token = cost.piece_cost(0, n) / n
     rows, a, e = [], 0, n
     for i, rank in enumerate(j.tolist()):
         s = int(shares[rank])
@@ -213,7 +205,7 @@ def _share_matched_cuts(cost: CostModel, shares: np.ndarray, n: int) -> np.ndarr
         lo, hi = 0, s  # smallest front length whose pair costs no more than the target
         while lo < hi:
             mid = (lo + hi) // 2
-            if _piece_cost(cost, a, a + mid) + _piece_cost(cost, e - s + mid, e) <= target:
+            if cost.piece_cost(a, a + mid) + cost.piece_cost(e - s + mid, e) <= target:
                 hi = mid
             else:
                 lo = mid + 1
