@@ -121,10 +121,24 @@ class CostModel:
     def _profile_prefix(self, n: np.ndarray | int) -> np.ndarray:
         """Profile cost of positions [0, n)."""
         prof = np.asarray(self.profile)
-        done = np.concatenate([[0.0], np.cumsum(prof[:-1]) * self.profile_bin])
+        done = np.asarray(self._profile_done())
         n = np.asarray(n, dtype=np.int64)
         j = np.minimum(n // self.profile_bin, len(prof) - 1)
         return done[j] + (n - j * self.profile_bin) * prof[j]
+
+    def _profile_done(self) -> list[float]:
+        """Profile cost of the bins before each bin (cached: the planner asks per piece)."""
+        done = self.__dict__.get("_done")
+        if done is None:
+            done = [0.0]
+            for v in self.profile[:-1]:
+                done.append(done[-1] + v * self.profile_bin)
+            object.__setattr__(self, "_done", done)
+        return done
+
+    def _profile_prefix_scalar(self, n: int) -> float:
+        j = min(n // self.profile_bin, len(self.profile) - 1)
+        return self._profile_done()[j] + (n - j * self.profile_bin) * self.profile[j]
 
     def piece_cost(self, s: int, e: int) -> float:
         """cost(s, e) for one piece in Python scalars (the planner's bisections call it often)."""
@@ -134,7 +148,7 @@ class CostModel:
         dense = e * (e + 1) // 2 - s * (s + 1) // 2
         c = self.linear * (e - s) + self.sparse * sparse + self.dense * dense
         if self.profile:
-            c += float(self._profile_prefix(e)) - float(self._profile_prefix(s))
+            c += self._profile_prefix_scalar(e) - self._profile_prefix_scalar(s)
         return c
 
     def doc_cost(self, lengths: np.ndarray | int) -> np.ndarray:
