@@ -53,6 +53,14 @@ def test_profile_cost_is_the_sum_over_positions_and_holds_past_the_last_bin():
     {"profile": (1e-3, -1e-3), "profile_bin": 8},
     {"profile": (1e40,), "profile_bin": 8},
     {"profile": (0.0, 0.0), "profile_bin": 8},
+    {"profile": (0.0, 1e-6), "profile_bin": 512},  # the first bin free: the plan divided by 0
+    {"profile": (3e-6, 1e-6), "profile_bin": 512},  # falling with position
+    {"profile": "123", "profile_bin": 8},  # a string from a JSON file
+    {"profile": {"1": 2.0}, "profile_bin": 8},
+    {"profile": (True, True), "profile_bin": 8},
+    {"profile": ("1e-6",), "profile_bin": 8},
+    {"profile": (), "profile_bin": 512},  # a bin size without a profile
+    {"profile": (), "profile_bin": "x"},
 ])  # fmt: skip
 def test_a_bad_profile_is_refused(bad):
     with pytest.raises(ValueError, match="cost model"):
@@ -135,3 +143,55 @@ def test_the_planner_balances_by_the_profile():
     plan = plan_step(rows, 4, "dynamic", MEASURED)
     assert plan.tokens_per_rank().max() <= 2253
     assert head_tail > 1.1 and plan.imbalance(MEASURED) < 1.01
+
+
+def test_a_free_first_bin_from_a_hand_made_file_never_reaches_the_planner(tmp_path):
+    """(0, x) profiles made the planner divide by a zero cost: OverflowError at even cp, an
+    endless loop at odd cp. Refused at load; a fit never produces one."""
+    path = tmp_path / "cp.json"
+    path.write_text(json.dumps({"cost_model": {"linear": 0, "sparse": 0, "dense": 0,
+                                               "topk": 2048, "profile": [0.0, 1e-6],
+                                               "profile_bin": 512}}))  # fmt: skip
+    with pytest.raises(ValueError, match="no cost"):
+        load_cost(path)
+    flat_start = [([(0, 300)], 1e-9), ([(0, 2000)], 1.0), ([(1000, 3000)], 2.0)]
+    assert CostModel.fit_profile(flat_start, 512).profile[0] > 0
+    cost = CostModel.fit_profile(flat_start, 512)
+    for cp in (2, 3, 4, 5):
+        lengths = [[[400] * cp + [300]]]
+        plan = plan_step(lengths, cp, "dynamic", cost)
+        assert plan.tokens_per_rank().sum() == 400 * cp + 300
+
+
+def test_fit_profile_keeps_whole_bins_and_refuses_a_huge_table_up_front():
+    truth = dataclasses.replace(MEASURED, profile_bin=512)
+    samples = _samples(truth, 200, 5) + [([(0, 8193)], truth.piece_cost(0, 8193) * 1.05)]
+    fitted = CostModel.fit_profile(samples, 512)
+    assert len(fitted.profile) == 16  # 8193 // 512: the one-token sliver is not a bin
+    assert float(fitted.doc_cost(32768)) < 1.2 * float(truth.doc_cost(32768))
+    with pytest.raises(ValueError, match="at most 4096"):
+        CostModel.fit_profile([([(0, 50_000_000)], 1.0)], 512)
+
+
+def test_numpy_bin_sizes_are_plain_ints_for_json():
+    m = CostModel(linear=0.0, sparse=0.0, dense=0.0, profile=(np.float64(1e-6),),
+                  profile_bin=np.int64(512))  # fmt: skip
+    assert json.loads(json.dumps(dataclasses.asdict(m)))["profile_bin"] == 512
+
+
+def test_bench_fit_prefers_the_terms_when_the_profile_only_fits_its_own_samples():
+    """A three-term kernel, 16 noisy calibration records (what a bench calibration has): the
+    profile's many bins fit their own samples better but the held-out halves decide."""
+    three = CostModel(linear=1e-4, sparse=1e-6, dense=1e-8, topk=2048)
+    chosen = []
+    for seed in range(6):
+        recs = [{"compute_s": t, "pieces": [list(p) for p in pieces],
+                 "terms": [int(x.sum()) for x in three.terms(*np.array(pieces).T)]}
+                for pieces, t in _samples(three, 16, 100 + seed, noise=0.05)]  # fmt: skip
+        model, fit = fit_cost(recs, 2048)
+        chosen.append(fit["form"])
+        if "held_out_error" in fit:
+            assert (fit["form"] == "profile") == (
+                fit["held_out_error"]["profile"] < fit["held_out_error"]["terms"]
+            )
+    assert chosen.count("terms") >= 4, chosen

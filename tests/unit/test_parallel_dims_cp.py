@@ -92,3 +92,22 @@ def test_cp_sharder_without_gather_groups_plans_whole_documents():
         assert not layout.needs_gather and layout.group is None
         got += local.tokens.flatten().tolist()
     assert sorted(got) == list(range(16))
+
+
+def test_cp_cost_profile_is_used_at_its_own_topk_only(tmp_path):
+    """A position profile's shape is that of the top-k it was measured at (its cost climbs to
+    about 1.5 x k): carried over to another k it would plan silently wrong."""
+    from wanka.train.trainer import _cp_cost
+
+    prof = tmp_path / "profile.json"
+    prof.write_text('{"cost_model": {"linear": 0, "sparse": 0, "dense": 0, "topk": 64, '
+                    '"profile": [1e-4, 3e-4], "profile_bin": 32}}')  # fmt: skip
+    same = load_config(None, ["parallel.cp=2", "model.index_topk=64", f'parallel.cp_cost="{prof}"'])
+    assert _cp_cost(same).profile == (1e-4, 3e-4)
+    other = load_config(
+        None, ["parallel.cp=2", "model.index_topk=32", f'parallel.cp_cost="{prof}"']
+    )
+    with pytest.raises(
+        ConfigError, match="parallel.cp_cost.*index_topk 64.*bench cp --index-topk 32"
+    ):
+        _cp_cost(other)

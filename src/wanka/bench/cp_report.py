@@ -108,16 +108,39 @@ def fit_cost(records: list[dict], topk: int) -> tuple[CostModel, dict]:
     data = np.array([r["terms"] for r in records], dtype=np.float64)
     rel = np.abs(data @ np.array([terms.linear, terms.sparse, terms.dense]) - y) / y
     best, fit = terms, {"form": "terms", "mean_rel_error_terms": float(rel.mean())}
-    if all("pieces" in r for r in records):
+    if all("pieces" in r for r in records) and len(records) >= 4:
         pieces = [r["pieces"] for r in records]
-        profile = CostModel.fit_profile(zip(pieces, y.tolist()), PROFILE_BIN, topk=topk)
-        rel_p = errors(profile, pieces)
-        fit["mean_rel_error_profile"] = float(rel_p.mean())
-        if rel_p.mean() < rel.mean():
-            best, rel, fit["form"] = profile, rel_p, "profile"
+        try:
+            profile = CostModel.fit_profile(zip(pieces, y.tolist()), PROFILE_BIN, topk=topk)
+            held_out = _held_out_errors(records, pieces, y, topk)
+        except ValueError as e:  # too few or too noisy samples for a profile: the terms stand
+            fit["profile_not_fitted"] = str(e)
+        else:
+            rel_p = errors(profile, pieces)
+            fit["mean_rel_error_profile"] = float(rel_p.mean())
+            fit["held_out_error"] = held_out
+            # The profile has a parameter per bin: chosen on the half of the records each form
+            # was not fitted on, not on how well it fits what it was fitted to.
+            if held_out["profile"] < held_out["terms"]:
+                best, rel, fit["form"] = profile, rel_p, "profile"
     fit.update(samples=len(records), mean_rel_error=float(rel.mean()),
                max_rel_error=float(rel.max()))  # fmt: skip
     return best, fit
+
+
+def _held_out_errors(records: list[dict], pieces: list, y: np.ndarray, topk: int) -> dict:
+    """Mean relative error of each form fitted on every other record, on the rest (both
+    ways round)."""
+    out = {"terms": [], "profile": []}
+    for part in (0, 1):
+        fit_on = [i for i in range(len(records)) if i % 2 == part]
+        test = [i for i in range(len(records)) if i % 2 != part]
+        terms = CostModel.fit([records[i]["terms"] + [y[i]] for i in fit_on], topk=topk)
+        prof = CostModel.fit_profile([(pieces[i], y[i]) for i in fit_on], PROFILE_BIN, topk=topk)
+        for name, m in (("terms", terms), ("profile", prof)):
+            pred = np.array([sum(m.piece_cost(a, e) for a, e in pieces[i]) for i in test])
+            out[name] += (np.abs(pred - y[test]) / y[test]).tolist()
+    return {k: float(np.mean(v)) for k, v in out.items()}
 
 
 def describe(model: CostModel) -> str:

@@ -72,15 +72,22 @@ class CostModel:
     profile_bin: int = 0  # positions per profile bin
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "profile", tuple(float(v) for v in self.profile))
-        if self.profile and (
-            isinstance(self.profile_bin, bool)
-            or not isinstance(self.profile_bin, (int, np.integer))
-            or not 1 <= self.profile_bin <= 1 << 30
-            or len(self.profile) > 4096
-        ):
-            raise ValueError(f"cost model profile needs a whole profile_bin in 1..2^30 and at "
-                             f"most 4096 bins: {self}")  # fmt: skip
+        prof, b = self.profile, self.profile_bin
+        if not isinstance(prof, (list, tuple)) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
+            for v in prof
+        ):  # a string or a dict from a JSON file iterates into nonsense
+            raise ValueError(f"cost model profile must be a list of numbers: {self}")
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+            raise ValueError(f"cost model profile_bin must be a whole number: {self}")
+        object.__setattr__(self, "profile", tuple(float(v) for v in prof))
+        object.__setattr__(self, "profile_bin", int(b))
+        if (prof and not (1 <= b <= 1 << 30 and len(prof) <= 4096)) or (not prof and b):
+            raise ValueError(f"cost model profile needs a profile_bin in 1..2^30 and at most "
+                             f"4096 bins (and no profile_bin without one): {self}")  # fmt: skip
+        if any(hi < lo for lo, hi in zip(self.profile, self.profile[1:])):
+            raise ValueError(f"cost model profile must not fall with position (a longer "
+                             f"prefix is never cheaper; the planner relies on it): {self}")  # fmt: skip
         # topk counts keys: a whole number (NaN passed `topk < 1` and made every cost NaN; a
         # float or a 1e30 gave nonsense pair counts or an int64 overflow in a traceback).
         if (
@@ -95,6 +102,9 @@ class CostModel:
             raise ValueError(
                 f"cost model needs finite, non-negative, not all zero coefficients: {self}"
             )
+        if self.profile and self.linear + self.sparse + self.dense + self.profile[0] <= 0:
+            # a document inside the first bin would cost nothing: the plan divides by it
+            raise ValueError(f"cost model gives the first positions no cost: {self}")
         # Seconds per token or pair: 5e-324 underflowed the planner's arithmetic (pieces
         # overlapped: a wrong loss), 1e308 overflowed it (every load inf).
         if any(c and not 1e-30 <= c <= 1e30 for c in (*coefs, self.gather)):
@@ -201,7 +211,11 @@ class CostModel:
         if not data or bin_tokens < 1:
             raise ValueError("fit_profile wants samples of (pieces, seconds) and bin_tokens >= 1")
         top = max((e for p, _ in data for _, e in p), default=0)
-        m = max(1, -(-top // bin_tokens))
+        # Whole bins only: positions past the last one share its value (a sliver of a bin at
+        # the end, fitted from a few tokens' noise, would set the cost of every later position).
+        m = max(1, top // bin_tokens)
+        if m > 4096:
+            raise ValueError(f"fit_profile: {m} bins of {bin_tokens} positions: at most 4096")
         edges = np.arange(m) * bin_tokens
         x = np.zeros((len(data), m))
         for row, (pieces, _) in enumerate(data):
@@ -211,6 +225,8 @@ class CostModel:
         steps = nnls(x, y)
         if not steps.any():
             raise ValueError("fit found no positive coefficient: are the timings positive?")
+        if steps[0] <= 0:  # too few or noisy samples there: no position may cost nothing
+            steps[0] = 1e-3 * float(steps.sum())
         return cls(linear=0.0, sparse=0.0, dense=0.0, topk=topk,
                    profile=tuple(np.cumsum(steps).tolist()), profile_bin=int(bin_tokens))  # fmt: skip
 
@@ -224,9 +240,10 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     a = a / scale  # columns of tokens and pairs differ by orders of magnitude
     n = a.shape[1]
     x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-10 * float(np.abs(a.T @ b).max(initial=0.0))  # relative: timings may be tiny
     for _ in range(max_iter or 3 * n + 10):
         w = a.T @ (b - a @ x)
-        cand = ~free & (w > 1e-12 * max(1.0, float(np.abs(w).max())))
+        cand = ~free & (w > tol)
         if not cand.any():
             break
         free[int(np.argmax(np.where(cand, w, -np.inf)))] = True

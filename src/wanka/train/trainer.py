@@ -161,6 +161,11 @@ def _cp_cost(cfg: JobConfig) -> CostModel:
     except (OSError, ValueError) as e:
         raise ConfigError("parallel.cp_cost", str(e), "run `wanka bench cp` and point it at "
                           "its JSON, or set it to \"\"") from None  # fmt: skip
+    if cost.profile and cost.topk != cfg.model.index_topk:  # its shape is that top-k's
+        raise ConfigError("parallel.cp_cost", f"{cfg.parallel.cp_cost} holds a cost profile "
+                          f"measured at index_topk {cost.topk}, this model's is "
+                          f"{cfg.model.index_topk}", "run `wanka bench cp --index-topk "
+                          f"{cfg.model.index_topk}` and point it at its JSON")  # fmt: skip
     # Seconds per token and per pair carry over; how many pairs a position has is this model's
     # (a file fitted at another index_topk counted pairs up to that k: mis-planned silently).
     return dataclasses.replace(cost, topk=cfg.model.index_topk)
