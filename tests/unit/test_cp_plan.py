@@ -435,21 +435,31 @@ def test_dynamic_balances_dense_documents_among_cheap_ones_within_the_budget() -
     assert plan.imbalance(dsa) < bound + 0.005, (plan.imbalance(dsa), bound)
 
 
+def _random_split(rng: np.random.Generator) -> tuple[CostModel, int, int, np.ndarray]:
+    """A random cost model, document length n and token shares of m ranks (some may be 0)."""
+    cost = CostModel(linear=float(rng.choice([0.0, 1e-4])), sparse=float(rng.random()) * 1e-6,
+                     dense=float(rng.choice([0.0, 1e-9])), topk=int(rng.integers(1, 5000)))  # fmt: skip
+    n, m = int(rng.integers(1, 50_000)), int(rng.integers(1, 9))
+    return cost, n, m, rng.multinomial(n, rng.dirichlet(np.ones(m)))
+
+
+def _assert_tiles(cuts: np.ndarray, shares: np.ndarray, n: int) -> None:
+    """Every token of the document in exactly one non-empty piece, held by a rank with a share."""
+    held = np.zeros(n, dtype=np.int64)
+    for rank, start, end in cuts.tolist():
+        assert shares[rank] > 0 and 0 <= start < end <= n
+        held[start:end] += 1
+    assert np.all(held == 1)
+
+
 def test_share_matched_cuts_tile_the_document_and_keep_each_share() -> None:
     from wanka.distributed.cp_dynamic import _share_matched_cuts
 
     rng = np.random.default_rng(1)
     for _ in range(300):
-        cost = CostModel(linear=float(rng.choice([0.0, 1e-4])), sparse=float(rng.random()) * 1e-6,
-                         dense=float(rng.choice([0.0, 1e-9])), topk=int(rng.integers(1, 5000)))  # fmt: skip
-        n, m = int(rng.integers(1, 50_000)), int(rng.integers(1, 9))
-        shares = rng.multinomial(n, rng.dirichlet(np.ones(m)))
+        cost, n, m, shares = _random_split(rng)
         cuts = _share_matched_cuts(cost, shares, n)
-        held = np.zeros(n, dtype=np.int64)
-        for rank, start, end in cuts.tolist():
-            assert shares[rank] > 0 and 0 <= start < end <= n
-            held[start:end] += 1
-        assert np.all(held == 1)
+        _assert_tiles(cuts, shares, n)
         assert np.all(np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=m)
                       == shares)  # fmt: skip
         # each rank but the last within one token's cost of its share's cost at the mean
@@ -465,17 +475,10 @@ def test_cost_balanced_cuts_tile_the_document_within_each_room() -> None:
 
     rng = np.random.default_rng(0)
     for _ in range(300):
-        cost = CostModel(linear=float(rng.choice([0.0, 1e-4])), sparse=float(rng.random()) * 1e-6,
-                         dense=float(rng.choice([0.0, 1e-9])), topk=int(rng.integers(1, 5000)))  # fmt: skip
-        n, m = int(rng.integers(1, 50_000)), int(rng.integers(1, 9))
-        shares = rng.multinomial(n, rng.dirichlet(np.ones(m)))
+        cost, n, m, shares = _random_split(rng)
         rooms = shares + rng.integers(0, n, m)
         cuts = _cost_balanced_cuts(cost, shares, rooms, n)
-        held = np.zeros(n, dtype=np.int64)
-        for rank, start, end in cuts.tolist():
-            assert shares[rank] > 0 and 0 <= start < end <= n
-            held[start:end] += 1
-        assert np.all(held == 1)
+        _assert_tiles(cuts, shares, n)
         per_rank = np.bincount(cuts[:, 0], weights=cuts[:, 2] - cuts[:, 1], minlength=m)
         last = int(np.flatnonzero(shares)[-1])  # takes the middle left: may pass its room
         assert np.all(np.delete(per_rank <= rooms, last))
